@@ -1,0 +1,55 @@
+"""Checks that need files, not just the config: run before a run starts, in the CLI and the UI alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from backend import data, rewards
+from backend.config import Config, ConfigError
+from backend.models import ModelError, context_length, resolve_model
+
+
+def preflight(cfg: Config) -> list[str]:
+    """Problems that would stop the run once started: missing or malformed data files, a model that
+    cannot be found, lengths past the model's context, a custom reward that cannot be loaded, data
+    sources without a scorer. Empty when the run can start."""
+    problems: list[str] = []
+    sources: set[str] = set()
+    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        for f in files:
+            if not Path(f).is_file():
+                problems.append(f"{key}: {f} does not exist")
+                continue
+            try:
+                sources.update(r["data_source"] for r in data.load_rows(f))
+            except data.DataError as e:
+                problems.append(f"{key}: {e}")
+    model = cfg.actor_rollout_ref.model.path
+    try:
+        resolved = resolve_model(model)
+        limit = context_length(model) if Path(resolved).exists() else None
+        total = cfg.data.max_prompt_length + cfg.data.max_response_length
+        if limit is not None and total > limit:
+            problems.append(f"data.max_prompt_length + data.max_response_length = {total} is longer than the "
+                            f"model's context ({limit} positions for {model})")
+    except (ModelError, OSError) as e:
+        problems.append(f"actor_rollout_ref.model.path: {e}")
+    crf = cfg.custom_reward_function
+    if crf.path:
+        try:
+            rewards.load_custom_reward(crf.path, crf.name)
+        except rewards.RewardError as e:
+            problems.append(f"custom_reward_function: {e}")
+    else:
+        for source in sorted(sources):
+            try:
+                rewards.get_scorer(source)
+            except rewards.RewardError as e:
+                problems.append(str(e))
+    return problems
+
+
+def check_or_raise(cfg: Config) -> None:
+    problems = preflight(cfg)
+    if problems:
+        raise ConfigError(problems)

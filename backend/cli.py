@@ -1,0 +1,231 @@
+"""`python -m backend ...`: the command line over the engine. Everything the UI does is one of these."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from backend.config import ConfigError
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+# ---- data ----
+
+def cmd_data_make_sample(args: argparse.Namespace) -> int:
+    from backend import data
+
+    paths = data.write_sample_sets(args.out, seed=args.seed, n_train=args.n_train, n_val=args.n_val)
+    for split, path in paths.items():
+        print(f"{split}: {path}")
+    return 0
+
+
+def cmd_data_gsm8k(args: argparse.Namespace) -> int:
+    from backend import data
+
+    n = data.convert_gsm8k(args.input, args.output, split=args.split, limit=args.limit)
+    print(f"wrote {n} rows to {args.output}")
+    return 0
+
+
+# ---- train ----
+
+class _Tee:
+    """Write to the console and to the run's log file, so logs/ holds what the user saw."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        self.log.flush()
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.log.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from backend.checks import check_or_raise
+    from backend.config import load_config
+    from backend.runs import new_run_dir, read_status
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(cfg.trainer.runs_root, cfg.trainer.experiment_name)
+    status = read_status(run_dir)
+    if status and cfg.trainer.resume_mode == "disable":
+        raise ConfigError([f"run directory {run_dir} already holds a run (state {status.get('state')}): continue "
+                           "it with trainer.resume_mode=auto, or pass another --run-dir"])
+    if status and status.get("state") == "running" and _alive(status.get("pid")) and status.get("pid") != os.getpid():
+        raise ConfigError([f"run directory {run_dir} is in use by a running process (pid {status['pid']})"])
+    _quiet_transformers()
+    check_or_raise(cfg)
+
+    from backend.trainer import RunStopped, Trainer
+
+    trainer = Trainer(cfg, run_dir, show_progress=not args.quiet)
+    log = open(trainer.run.logs / "train.log", "a")  # noqa: SIM115 - lives as long as the run
+    sys.stdout, sys.stderr = _Tee(sys.__stdout__, log), _Tee(sys.__stderr__, log)
+    print(f"run directory: {run_dir}")
+    try:
+        trainer.fit()
+    except RunStopped:
+        print("run stopped; continue it with trainer.resume_mode=auto", file=sys.stderr)
+        return 3
+    finally:
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        log.close()
+    print(f"done: {run_dir}")
+    return 0
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+# ---- generate / eval ----
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from backend.models import load_model, load_tokenizer, pick_device
+    from backend.rollout import HFGenerateEngine, SamplingParams
+
+    _quiet_transformers()
+    torch.manual_seed(args.seed)
+    device = pick_device(args.device)
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model, device)
+    engine = HFGenerateEngine(model, tokenizer)
+    messages = [{"role": "user", "content": args.prompt}]
+    if tokenizer.chat_template:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    else:
+        prompt = args.prompt
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
+                            max_new_tokens=args.max_new_tokens, greedy=args.temperature == 0)
+    batch = engine.generate([ids], params)
+    for i, text in enumerate(tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)):
+        if args.n > 1:
+            print(f"--- sample {i + 1} ({batch.finish_reasons[i]})")
+        print(text)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from backend import data
+    from backend.evaluation import evaluate
+    from backend.models import load_model, load_tokenizer, pick_device
+    from backend.rollout import HFGenerateEngine
+
+    _quiet_transformers()
+    device = pick_device(args.device)
+    tokenizer = load_tokenizer(args.model)
+    rows = data.load_rows(args.data)
+    if args.limit:
+        rows = rows[: args.limit]
+    dataset = data.PromptDataset(rows, tokenizer, args.max_prompt_length, truncation="left", source=args.data)
+    items = [dataset[i] for i in range(len(dataset))]
+    model = load_model(args.model, device)
+    engine = HFGenerateEngine(model, tokenizer, args.batch_size)
+    bar = tqdm(total=len(items), desc="eval", unit="prompt")
+    result = evaluate(engine, tokenizer, items, args.max_new_tokens, batch_size=args.batch_size,
+                      progress=lambda d, n: bar.update(d - bar.n))
+    bar.close()
+    for key, value in result.metrics.items():
+        print(f"{key}: {value:.4f}")
+    if args.output:
+        Path(args.output).write_text(json.dumps({"metrics": result.metrics, "records": result.records}, indent=1))
+        print(f"records: {args.output}")
+    return 0
+
+
+# ---- parser ----
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m backend", description="GRPO Workbench engine")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("data", help="make or convert data sets").add_subparsers(dest="data_command", required=True)
+    ms = d.add_parser("make-sample", help="write the synthetic arithmetic sets into sample_data/")
+    ms.add_argument("--out", default="sample_data")
+    ms.add_argument("--seed", type=int, default=0)
+    ms.add_argument("--n-train", type=int, default=2000)
+    ms.add_argument("--n-val", type=int, default=200)
+    ms.set_defaults(func=cmd_data_make_sample)
+    gs = d.add_parser("gsm8k", help="convert GSM8K's official JSONL into verl-shaped parquet")
+    gs.add_argument("--input", required=True)
+    gs.add_argument("--output", required=True)
+    gs.add_argument("--split", default="train")
+    gs.add_argument("--limit", type=int, default=None)
+    gs.set_defaults(func=cmd_data_gsm8k)
+
+    t = sub.add_parser("train", help="train from a YAML config plus key.path=value overrides")
+    t.add_argument("config")
+    t.add_argument("overrides", nargs="*", help="e.g. actor_rollout_ref.rollout.n=8")
+    t.add_argument("--run-dir", default=None, help="run directory (default: a new folder under trainer.runs_root)")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_train)
+
+    g = sub.add_parser("generate", help="answer one prompt with a model")
+    g.add_argument("--model", required=True, help="shipped name, run export/checkpoint folder, or Hub id")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto")
+    g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("eval", help="greedy accuracy of a model on a parquet file, scored by its reward")
+    e.add_argument("--model", required=True)
+    e.add_argument("--data", required=True)
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--max-prompt-length", type=int, default=512)
+    e.add_argument("--batch-size", type=int, default=32)
+    e.add_argument("--limit", type=int, default=0, help="first N rows only (0 = all)")
+    e.add_argument("--output", default=None, help="write metrics and per-prompt records to this JSON file")
+    e.add_argument("--device", default="auto")
+    e.set_defaults(func=cmd_eval)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from backend.data import DataError
+    from backend.models import ModelError
+    from backend.rewards import RewardError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, DataError, ModelError, RewardError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

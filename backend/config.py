@@ -1,0 +1,500 @@
+"""The run config: a typed schema with one line of help per field, YAML loading, dotted overrides
+(`actor_rollout_ref.rollout.n=8`) and validation that runs before anything starts.
+
+Key paths follow verl's for the subset both share, so a verl user's overrides carry over. Every
+error names the key, the value and what is allowed; an unknown key names the closest known one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config that must not start a run; `problems` holds one message per problem found."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _f(default: Any, help: str, *, choices: tuple = (), min: float | None = None,
+       gt: float | None = None) -> Any:
+    """A schema field: its default, the help line the CLI and UI show, and its allowed values."""
+    meta = {"help": help, "choices": choices, "min": min, "gt": gt}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _section(cls: type) -> Any:
+    return field(default_factory=cls)
+
+
+# ---- data ----
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = _f(["sample_data/arithmetic_train.parquet"], "Parquet files to train on (verl rows).")
+    val_files: list[str] = _f(["sample_data/arithmetic_val.parquet"], "Parquet files for validation; empty for none.")
+    train_batch_size: int = _f(4, "Prompts per training step.", min=1)
+    val_batch_size: int = _f(32, "Prompts per generation batch during validation.", min=1)
+    val_max_samples: int = _f(64, "Validate on at most this many rows of the validation set (0 = all).", min=0)
+    max_prompt_length: int = _f(256, "Longest prompt in tokens, after the chat template.", min=1)
+    max_response_length: int = _f(64, "Most new tokens generated per response.", min=1)
+    truncation: str = _f("error", "What to do with a prompt over max_prompt_length.",
+                         choices=("error", "left", "right"))
+    filter_overlong_prompts: bool = _f(False, "Drop prompts over max_prompt_length instead of truncating.")
+    shuffle: bool = _f(True, "Shuffle the training prompts each epoch (seeded).")
+    seed: int = _f(0, "Seed of the prompt order.")
+
+
+# ---- actor / rollout / reference ----
+
+@dataclass
+class ModelConfig:
+    path: str = _f("smollm2-135m-instruct",
+                   "Model: a shipped name (smollm2-135m-instruct, tiny-qwen3, tiny-llama), a local folder "
+                   "or a Hugging Face Hub id.")
+    tokenizer_path: str = _f("", "Tokenizer folder or Hub id, if not the model's own.")
+    enable_gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(1e-6, "AdamW learning rate.", gt=0)
+    weight_decay: float = _f(0.01, "AdamW weight decay.", min=0)
+    betas: list[float] = _f([0.9, 0.999], "AdamW betas.")
+    lr_warmup_steps: int = _f(0, "Linear warm-up steps of the learning rate.", min=0)
+    warmup_style: str = _f("constant", "Schedule after warm-up.", choices=("constant", "cosine"))
+    min_lr_ratio: float = _f(0.0, "Cosine schedule floor as a fraction of lr.", min=0)
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = _section(OptimConfig)
+    ppo_mini_batch_size: int = _f(4, "Prompts per optimizer step (times rollout.n responses).", min=1)
+    ppo_micro_batch_size_per_gpu: int = _f(8, "Responses per forward/backward pass (gradient accumulation).",
+                                           min=1)
+    ppo_epochs: int = _f(1, "Passes over each step's responses.", min=1)
+    shuffle: bool = _f(False, "Shuffle responses between mini-batches.")
+    clip_ratio: float = _f(0.2, "PPO clip range, used for both sides unless clip_ratio_low/high are set.", gt=0)
+    clip_ratio_low: float | None = _f(None, "Lower clip range (1 - low); defaults to clip_ratio.")
+    clip_ratio_high: float | None = _f(None, "Upper clip range (1 + high); defaults to clip_ratio.")
+    clip_ratio_c: float = _f(3.0, "Dual-clip bound for negative advantages; must be > 1.", gt=1)
+    grad_clip: float = _f(1.0, "Clip the gradient norm to this value.", gt=0)
+    loss_agg_mode: str = _f("token-mean", "How per-token losses become one number.",
+                            choices=("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                     "seq-mean-token-sum-norm"))
+    use_kl_loss: bool = _f(True, "Add a KL-to-reference term to the loss (GRPO).")
+    kl_loss_coef: float = _f(0.001, "Weight of the KL loss.", min=0)
+    kl_loss_type: str = _f("low_var_kl", "KL estimator of the KL loss.",
+                           choices=("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs"))
+    entropy_coeff: float = _f(0.0, "Entropy bonus weight (0 = off).", min=0)
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = _f(16, "Responses per reference forward pass.", min=1)
+
+
+@dataclass
+class RolloutConfig:
+    name: str = _f("hf", "Rollout engine.", choices=("hf",))
+    n: int = _f(4, "Responses sampled per prompt (the group size).", min=1)
+    temperature: float = _f(1.0, "Sampling temperature.", gt=0)
+    top_p: float = _f(1.0, "Nucleus sampling mass.", gt=0)
+    top_k: int = _f(0, "Sample among the k likeliest tokens (0 = off).", min=0)
+    log_prob_micro_batch_size_per_gpu: int = _f(16, "Responses per forward pass for old log-probs.", min=1)
+    generation_batch_size: int = _f(64, "Most sequences generated at once.", min=1)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = _section(ModelConfig)
+    actor: ActorConfig = _section(ActorConfig)
+    ref: RefConfig = _section(RefConfig)
+    rollout: RolloutConfig = _section(RolloutConfig)
+
+
+# ---- algorithm and reward ----
+
+@dataclass
+class KLControlConfig:
+    type: str = _f("fixed", "KL-in-reward controller.", choices=("fixed", "adaptive"))
+    kl_coef: float = _f(0.001, "Initial KL-in-reward coefficient.", min=0)
+    target_kl: float = _f(0.1, "Target KL of the adaptive controller.", gt=0)
+    horizon: int = _f(10000, "Horizon of the adaptive controller.", min=1)
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = _f("grpo", "Advantage estimator.",
+                            choices=("grpo", "drgrpo", "rloo", "reinforce_plus_plus",
+                                     "reinforce_plus_plus_baseline"))
+    norm_adv_by_std_in_grpo: bool = _f(True, "Divide GRPO advantages by the group's reward std.")
+    gamma: float = _f(1.0, "Discount factor (REINFORCE++, GAE).", min=0)
+    lam: float = _f(1.0, "GAE lambda.", min=0)
+    use_kl_in_reward: bool = _f(False, "Subtract a KL penalty from the reward instead of (or as well as) a loss.")
+    kl_penalty: str = _f("kl", "KL estimator of the in-reward penalty.",
+                         choices=("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs"))
+    kl_ctrl: KLControlConfig = _section(KLControlConfig)
+
+
+@dataclass
+class CustomRewardConfig:
+    path: str = _f("", "Python file (or module) holding your reward function; empty to use built-ins.")
+    name: str = _f("compute_score", "Name of the function in that file.")
+
+
+@dataclass
+class RewardConfig:
+    timeout_s: float = _f(10.0, "A reward call running longer scores 0 and is counted.", gt=0)
+
+
+# ---- trainer ----
+
+@dataclass
+class TrainerConfig:
+    project_name: str = _f("grpo-workbench", "Project name (grouping for trackers).")
+    experiment_name: str = _f("", "Run name; the run directory is named from it when set.")
+    total_epochs: int = _f(1, "Passes over the training prompts (when total_training_steps is 0).", min=1)
+    total_training_steps: int = _f(0, "Training steps; 0 = total_epochs worth.", min=0)
+    save_freq: int = _f(0, "Checkpoint every N steps (0 = only at the end).", min=0)
+    test_freq: int = _f(0, "Validate every N steps (0 = only at the end).", min=0)
+    val_before_train: bool = _f(False, "Validate once before the first step.")
+    resume_mode: str = _f("disable", "auto: continue from the run directory's last checkpoint.",
+                          choices=("disable", "auto", "resume_path"))
+    resume_from_path: str = _f("", "Checkpoint folder to start from when resume_mode=resume_path.")
+    max_checkpoints_to_keep: int = _f(2, "Keep the newest N checkpoints (0 = all).", min=0)
+    export_at_end: bool = _f(True, "Write export/ (a plain Hugging Face folder) when training ends.")
+    rollout_log_max: int = _f(512, "Responses per step written to rollouts/ (0 = none).", min=0)
+    logger: list[str] = _f(["console", "jsonl"], "Where metrics go.")
+    runs_root: str = _f("runs", "Folder that holds run directories.")
+    device: str = _f("auto", "auto picks cuda when present, else cpu.", choices=("auto", "cpu", "cuda"))
+    seed: int = _f(0, "Seed of sampling and initialisation.")
+    n_gpus_per_node: int = _f(1, "Workers per node (GPUs, or processes on CPU).", min=1)
+    nnodes: int = _f(1, "Nodes.", min=1)
+
+
+@dataclass
+class Config:
+    data: DataConfig = _section(DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = _section(ActorRolloutRefConfig)
+    algorithm: AlgorithmConfig = _section(AlgorithmConfig)
+    custom_reward_function: CustomRewardConfig = _section(CustomRewardConfig)
+    reward: RewardConfig = _section(RewardConfig)
+    trainer: TrainerConfig = _section(TrainerConfig)
+
+
+# ---- schema walking ----
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def field_specs(cls: type = Config, prefix: str = "") -> dict[str, tuple[Any, dict]]:
+    """Every leaf key as `dotted.path -> (type, metadata)`; what the UI and the reference docs show."""
+    out: dict[str, tuple[Any, dict]] = {}
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if _is_section(tp):
+            out.update(field_specs(tp, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = (tp, dict(f.metadata))
+    return out
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            type(None): "null"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """Return `value` as type `tp`, or raise TypeError. Ints are accepted where floats are expected,
+    a single string where a list of strings is (a common shorthand for one file)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg)
+            except TypeError:
+                continue
+        raise TypeError
+    if origin is list:
+        inner = typing.get_args(tp)[0]
+        if isinstance(value, str) and inner is str:
+            value = [value]
+        if not isinstance(value, list):
+            raise TypeError
+        return [_coerce(v, inner) for v in value]
+    if tp is type(None):
+        if value is None:
+            return None
+        raise TypeError
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise TypeError
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        # YAML 1.1 reads `3e-6` (no dot) as a string; it is the way people write learning rates.
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise TypeError from None
+        raise TypeError
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise TypeError
+    raise TypeError
+
+
+def _closest(key: str, known: list[str]) -> str:
+    leaf_matches = [k for k in known if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
+    matches = leaf_matches or difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    return f"; did you mean '{matches[0]}'?" if matches else ""
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _set(cfg: Any, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        cfg = getattr(cfg, p)
+    setattr(cfg, leaf, value)
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for p in dotted.split("."):
+        cfg = getattr(cfg, p)
+    return cfg
+
+
+def from_dict(raw: dict, source: str = "config") -> Config:
+    """Build a Config from a nested dict (YAML shape), collecting every problem before raising."""
+    cfg, problems = _build(raw, source)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _build(raw: dict, source: str) -> tuple[Config, list[str]]:
+    """The config with every key that could be read set, and a message for each that could not."""
+    if not isinstance(raw, dict):
+        return Config(), [f"{source}: the top level must be a mapping of sections, got {type(raw).__name__}"]
+    specs = field_specs()
+    cfg = Config()
+    problems: list[str] = []
+    for key, value in _flatten(raw).items():
+        if key not in specs:
+            sections = {k.rsplit(".", 1)[0] for k in specs} | {k.split(".", 1)[0] for k in specs}
+            if key in sections:
+                if value not in ({}, None):
+                    problems.append(f"{source}: '{key}' is a section; give it keys, not the value {value!r}")
+                continue
+            problems.append(f"{source}: unknown key '{key}'{_closest(key, list(specs))}")
+            continue
+        tp, meta = specs[key]
+        try:
+            value = _coerce(value, tp)
+        except TypeError:
+            problems.append(f"{source}: {key}={value!r} must be {_type_name(tp)}")
+            continue
+        _set(cfg, key, value)
+    return cfg, problems
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b.c=value` -> ("a.b.c", value parsed as YAML, so `8` is an int and `[a, b]` a list)."""
+    if "=" not in text:
+        raise ConfigError([f"override '{text}' must look like key.path=value"])
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def _nest(flat: dict[str, Any]) -> dict:
+    out: dict = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                *, validate: bool = True) -> Config:
+    """Read a YAML config (or the defaults when path is None), apply dotted overrides, validate."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError([f"config file {path} does not exist"])
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError([f"{path} is not valid YAML: {e}"]) from None
+    flat = _flatten(raw) if isinstance(raw, dict) else raw
+    problems: list[str] = []
+    if isinstance(flat, dict):
+        for text in overrides or []:
+            try:
+                key, value = parse_override(text)
+            except ConfigError as e:
+                problems.extend(e.problems)
+                continue
+            flat[key] = value
+    if problems:
+        raise ConfigError(problems)
+    cfg, problems = _build(_nest(flat) if isinstance(flat, dict) else flat, str(path or "config"))
+    if validate:
+        try:
+            validate_config(cfg)
+        except ConfigError as e:
+            problems.extend(e.problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def _divisors(n: int) -> str:
+    ds = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(map(str, ds[:-1])) + (f" or {ds[-1]}" if len(ds) > 1 else str(ds[0]))
+
+
+@dataclass
+class BatchPlan:
+    """The numbers people most often get wrong in verl and TRL: what one training step does."""
+
+    prompts_per_step: int
+    responses_per_step: int
+    responses_per_mini_batch: int
+    optimizer_steps_per_step: int
+    micro_batches_per_mini_batch: int
+    world_size: int
+
+
+def batch_plan(cfg: Config) -> BatchPlan:
+    a, n = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
+    world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    mini = a.ppo_mini_batch_size * n
+    return BatchPlan(
+        prompts_per_step=cfg.data.train_batch_size,
+        responses_per_step=cfg.data.train_batch_size * n,
+        responses_per_mini_batch=mini,
+        optimizer_steps_per_step=max(cfg.data.train_batch_size // max(a.ppo_mini_batch_size, 1), 1) * a.ppo_epochs,
+        micro_batches_per_mini_batch=max(mini // max(a.ppo_micro_batch_size_per_gpu * world, 1), 1),
+        world_size=world,
+    )
+
+
+def validate_config(cfg: Config) -> None:
+    """Check every value against its allowed range and the cross-field rules; raise ConfigError listing
+    all problems, each naming the key, the value and what is allowed."""
+    problems: list[str] = []
+    for key, (_, meta) in field_specs().items():
+        value = _get(cfg, key)
+        if value is None:
+            continue
+        if meta["choices"] and value not in meta["choices"]:
+            problems.append(f"{key}={value!r} is not allowed; choose one of: {', '.join(meta['choices'])}")
+        if meta["min"] is not None and isinstance(value, (int, float)) and value < meta["min"]:
+            problems.append(f"{key}={value} must be >= {meta['min']:g}")
+        if meta["gt"] is not None and isinstance(value, (int, float)) and value <= meta["gt"]:
+            problems.append(f"{key}={value} must be > {meta['gt']:g}")
+
+    d, a, r = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    if not d.train_files:
+        problems.append("data.train_files is empty: name at least one parquet file")
+    if d.train_batch_size >= 1 and a.ppo_mini_batch_size >= 1:
+        if a.ppo_mini_batch_size > d.train_batch_size:
+            problems.append(f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size} is larger than "
+                            f"data.train_batch_size={d.train_batch_size}: a mini-batch is a part of the step's prompts")
+        elif d.train_batch_size % a.ppo_mini_batch_size:
+            problems.append(f"data.train_batch_size={d.train_batch_size} is not divisible by "
+                            f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size}: choose a "
+                            f"mini-batch that divides it ({_divisors(d.train_batch_size)})")
+    world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    mini = a.ppo_mini_batch_size * r.n
+    if mini >= 1 and a.ppo_micro_batch_size_per_gpu >= 1 and mini % (a.ppo_micro_batch_size_per_gpu * world):
+        problems.append(f"a mini-batch of {mini} responses (ppo_mini_batch_size={a.ppo_mini_batch_size} x "
+                        f"rollout.n={r.n}) does not split into micro-batches of "
+                        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}"
+                        f" on {world} worker(s): choose a micro-batch that divides {mini // world or mini} "
+                        f"({_divisors(mini // world or mini)})")
+    low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
+    high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
+    if not 0 < low < 1:
+        problems.append(f"actor_rollout_ref.actor.clip_ratio_low={low} must be between 0 and 1")
+    if high <= 0:
+        problems.append(f"actor_rollout_ref.actor.clip_ratio_high={high} must be > 0")
+    if len(cfg.actor_rollout_ref.actor.optim.betas) != 2:
+        problems.append("actor_rollout_ref.actor.optim.betas must hold two numbers, e.g. [0.9, 0.999]")
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        problems.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a checkpoint folder)")
+    if r.top_p > 1:
+        problems.append(f"actor_rollout_ref.rollout.top_p={r.top_p} must be in (0, 1]")
+    if cfg.algorithm.adv_estimator in ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline") and r.n < 2:
+        problems.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the responses of one "
+                        f"prompt, so actor_rollout_ref.rollout.n must be >= 2 (got {r.n})")
+    known_loggers = ("console", "jsonl")
+    for name in cfg.trainer.logger:
+        if name not in known_loggers:
+            problems.append(f"trainer.logger has '{name}'; available here: {', '.join(known_loggers)}")
+    if cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes != 1:
+        problems.append("trainer.n_gpus_per_node x trainer.nnodes must be 1 for now: this engine runs one "
+                        "worker (distributed workers are not built yet)")
+    if problems:
+        raise ConfigError(problems)

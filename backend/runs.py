@@ -1,0 +1,173 @@
+"""The run directory: the one contract between the engine and anything that watches it.
+
+    runs/<run_id>/config.yaml                   the fully resolved config
+    runs/<run_id>/status.json                   state, pid, step, heartbeat, error (replaced atomically)
+    runs/<run_id>/metrics.jsonl                 one JSON object per step, flushed per line
+    runs/<run_id>/rollouts/step_NNNNNN.parquet  the sampled responses of a step
+    runs/<run_id>/logs/                         stdout and stderr of the run
+    runs/<run_id>/checkpoints/step_N/           everything needed to resume
+    runs/<run_id>/export/                       a plain Hugging Face model folder
+
+Writers replace files atomically (write a temporary file, then rename), so a reader, or a run killed
+mid-write, never sees half a file where a whole one was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+STATES = ("queued", "running", "succeeded", "failed", "stopped")
+_CKPT = re.compile(r"^step_(\d+)$")
+
+
+def new_run_dir(runs_root: str | Path, name: str = "") -> Path:
+    """A fresh, uniquely named run directory under runs_root (not created yet)."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = f"{stamp}-{name}" if name else stamp
+    root = Path(runs_root)
+    candidate, k = root / base, 1
+    while candidate.exists():
+        k += 1
+        candidate = root / f"{base}-{k}"
+    return candidate
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or inf; write them as null so every reader can parse every line."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class RunDir:
+    """Paths of one run directory, and the writers the trainer uses."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.config = self.root / "config.yaml"
+        self.status = self.root / "status.json"
+        self.metrics = self.root / "metrics.jsonl"
+        self.rollouts = self.root / "rollouts"
+        self.logs = self.root / "logs"
+        self.checkpoints = self.root / "checkpoints"
+        self.export = self.root / "export"
+
+    def create(self) -> RunDir:
+        for d in (self.root, self.rollouts, self.logs, self.checkpoints):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+    # ---- status ----
+
+    def write_status(self, state: str, **fields: Any) -> dict:
+        """Merge `fields` into status.json and stamp the heartbeat."""
+        assert state in STATES, state
+        status = read_status(self.root) or {}
+        status.update(fields)
+        status.update(state=state, heartbeat=time.time(), pid=status.get("pid", os.getpid()),
+                      host=socket.gethostname())
+        atomic_write_text(self.status, json.dumps(status, indent=1))
+        return status
+
+    # ---- metrics ----
+
+    def append_metrics(self, metrics: dict[str, Any]) -> None:
+        line = json.dumps({k: _finite(v) for k, v in metrics.items()})
+        with open(self.metrics, "a") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def truncate_metrics(self, after_step: int) -> None:
+        """Drop lines past a resumed checkpoint's step, so the file reads as one uninterrupted run."""
+        kept = [m for m in read_metrics(self.root) if m.get("step", 0) <= after_step]
+        atomic_write_text(self.metrics, "".join(json.dumps(m) + "\n" for m in kept))
+
+    # ---- rollouts ----
+
+    def write_rollouts(self, step: int, rows: dict[str, list]) -> Path:
+        path = self.rollouts / f"step_{step:06d}.parquet"
+        tmp = path.with_name(f".{path.name}.tmp")
+        pq.write_table(pa.table(rows), tmp)
+        os.replace(tmp, path)
+        return path
+
+    # ---- checkpoints ----
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoints / f"step_{step}"
+
+    def begin_checkpoint(self, step: int) -> Path:
+        """A temporary folder to write step `step`'s checkpoint into; `commit_checkpoint` publishes it."""
+        tmp = self.checkpoints / f".tmp_step_{step}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def commit_checkpoint(self, tmp: Path, step: int, keep: int) -> Path:
+        """Rename the finished folder into place, then drop the oldest beyond `keep` (0 keeps all).
+        The previous checkpoint stays until the new one is whole, so a kill mid-write loses nothing."""
+        final = self.checkpoint_dir(step)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if keep:
+            for old in list_checkpoints(self.root)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        return final
+
+
+def read_status(run_dir: str | Path) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / "status.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """Every whole line of metrics.jsonl; a torn last line (a run killed mid-write) is skipped."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Whole checkpoints, oldest first (temporary folders of an interrupted write are not listed)."""
+    folder = Path(run_dir) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _CKPT.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None

@@ -1,0 +1,391 @@
+"""The single-controller training loop: one Python loop drives rollout, reward, log-probs,
+advantages and the update, and writes everything into the run directory.
+
+    prompts ─ rollout ─► n responses each ─ reward ─► scores ─ actor/ref ─► log-probs
+            ─ algos ─► advantages ─ actor ─► PPO-clip update ─► metrics, rollouts, checkpoint
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from backend import algos, data, rewards
+from backend.config import Config, batch_plan, to_yaml
+from backend.evaluation import evaluate
+from backend.models import default_dtype, load_tokenizer, pick_device
+from backend.rollout import HFGenerateEngine, RolloutBatch, SamplingParams
+from backend.runs import RunDir, latest_checkpoint, read_status
+from backend.workers import ActorWorker, RefWorker
+
+
+class RunStopped(Exception):
+    """The run was asked to stop (SIGTERM / SIGINT); it ends in state `stopped`."""
+
+
+@contextmanager
+def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    timings[f"timing_s/{name}"] = timings.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
+            f"{prefix}/min": values.min().item()}
+
+
+class Trainer:
+    """Owns the workers, the data and the run directory of one run."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, *, show_progress: bool = True):
+        self.cfg = cfg
+        self.run = RunDir(run_dir).create()
+        self.show_progress = show_progress
+        self._last_stage_write = 0.0
+        self._step = 0
+
+    # ---- status ----
+
+    def stage(self, text: str, force: bool = False) -> None:
+        """What the run is doing now, for the dashboard's live stage line (at most one write a second)."""
+        now = time.time()
+        if force or now - self._last_stage_write > 1.0:
+            self.run.write_status("running", stage=text, stage_started=now, step=self._step)
+            self._last_stage_write = now
+
+    def _generation_stage(self, rows_done: int, rows: int, tokens: int, max_tokens: int) -> None:
+        chunk = f" (rows {rows_done + 1}-)" if rows_done else ""
+        self.stage(f"generating token {tokens}/{max_tokens} of {rows} responses{chunk}")
+
+    # ---- setup ----
+
+    def setup(self) -> None:
+        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        self.run.config.write_text(to_yaml(cfg))
+        self.device = pick_device(cfg.trainer.device)
+        self.dtype = default_dtype(self.device)
+        self.stage("loading data", force=True)
+        self.tokenizer = load_tokenizer(arr.model.path, arr.model.tokenizer_path)
+        self.train_set = self._dataset(cfg.data.train_files)
+        val = self._dataset(cfg.data.val_files) if cfg.data.val_files else None
+        limit = cfg.data.val_max_samples
+        self.val_items = [val[i] for i in range(len(val) if not limit else min(limit, len(val)))] if val else []
+        self.sampler = data.PromptSampler(len(self.train_set), cfg.data.train_batch_size, seed=cfg.data.seed,
+                                          shuffle=cfg.data.shuffle)
+        self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.sampler.steps_per_epoch
+        self.custom_fn = None
+        if cfg.custom_reward_function.path:
+            self.custom_fn = rewards.load_custom_reward(cfg.custom_reward_function.path,
+                                                        cfg.custom_reward_function.name)
+        self.stage("loading models", force=True)
+        seed_everything(cfg.trainer.seed)
+        self.actor = ActorWorker(cfg, self.device, self.total_steps, self.dtype)
+        needs_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        self.ref = RefWorker(cfg, self.device, self.dtype) if needs_ref else None
+        self.rollout = HFGenerateEngine(self.actor.model, self.tokenizer, arr.rollout.generation_batch_size)
+        kl = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = (algos.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive"
+                        else algos.FixedKLController(kl.kl_coef))
+        self.start_step = 0
+        ckpt = self._resume_point()
+        if ckpt is not None:
+            self.stage(f"resuming from {ckpt.name}", force=True)
+            self._load(ckpt)
+
+    def _dataset(self, files: list[str]) -> data.PromptDataset:
+        return data.PromptDataset(data.load_many(files), self.tokenizer, self.cfg.data.max_prompt_length,
+                                  truncation=self.cfg.data.truncation,
+                                  filter_overlong_prompts=self.cfg.data.filter_overlong_prompts,
+                                  source=", ".join(files))
+
+    def _resume_point(self) -> Path | None:
+        t = self.cfg.trainer
+        if t.resume_mode == "auto":
+            return latest_checkpoint(self.run.root)
+        if t.resume_mode == "resume_path":
+            path = Path(t.resume_from_path)
+            if not (path / "trainer_state.json").is_file():
+                raise FileNotFoundError(f"trainer.resume_from_path={path} is not a checkpoint folder "
+                                        "(no trainer_state.json)")
+            return path
+        return None
+
+    # ---- the loop ----
+
+    def fit(self) -> dict[str, float]:
+        """Train to total steps; returns the last step's metrics. Always leaves a final status."""
+        self.run.write_status("running", total_steps=None, step=0, started=time.time(), error=None)
+        stop = _install_stop_handlers()
+        try:
+            self.setup()
+            self.run.write_status("running", total_steps=self.total_steps, step=self.start_step)
+            metrics = self._loop()
+            self.stage("exporting", force=True)
+            if self.cfg.trainer.export_at_end:
+                self.export(self.run.export)
+            self.run.write_status("succeeded", stage="done", step=self._step, finished=time.time())
+            return metrics
+        except (RunStopped, KeyboardInterrupt):
+            self.run.write_status("stopped", stage="stopped", finished=time.time())
+            raise
+        except BaseException as e:
+            self.run.write_status("failed", stage="failed", finished=time.time(),
+                                  error=f"{type(e).__name__}: {e}",
+                                  traceback="".join(traceback.format_exc().splitlines(True)[-30:]))
+            raise
+        finally:
+            stop()
+
+    def _loop(self) -> dict[str, float]:
+        t = self.cfg.trainer
+        metrics: dict[str, float] = {}
+        if t.val_before_train and self.start_step == 0 and self.val_items:
+            self.run.append_metrics({"step": 0, **self.validate()})
+        bar = tqdm(total=self.total_steps, initial=self.start_step, desc="train", unit="step",
+                   disable=not self.show_progress, dynamic_ncols=True)
+        for step in range(self.start_step + 1, self.total_steps + 1):
+            self._step = step
+            metrics = self.train_step(step)
+            last = step == self.total_steps
+            if self.val_items and ((t.test_freq and step % t.test_freq == 0) or last):
+                with timer("testing", metrics):
+                    metrics.update(self.validate())
+            if (t.save_freq and step % t.save_freq == 0) or last:
+                with timer("save_checkpoint", metrics):
+                    self.save(step)
+            self.run.append_metrics(metrics)
+            self.run.write_status("running", step=step, stage=f"finished step {step}")
+            bar.update(1)
+            bar.write(summary_line(metrics, self.total_steps))
+        bar.close()
+        return metrics
+
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg = self.cfg
+        arr = cfg.actor_rollout_ref
+        timings: dict[str, float] = {}
+        # Sampling depends only on (seed, step), so a resumed run draws what an uninterrupted one would.
+        seed_everything(cfg.trainer.seed * 1_000_003 + step)
+        with timer("step", timings):
+            # ---- prompts ----
+            epoch = self.sampler.epoch
+            indices = self.sampler.next_batch()
+            items = [self.train_set[i] for i in indices]
+
+            # ---- rollout ----
+            with timer("gen", timings):
+                params = SamplingParams(n=arr.rollout.n, temperature=arr.rollout.temperature,
+                                        top_p=arr.rollout.top_p, top_k=arr.rollout.top_k,
+                                        max_new_tokens=cfg.data.max_response_length)
+                batch = self.rollout.generate([it["prompt_ids"] for it in items], params,
+                                              progress=self._generation_stage)
+            group_ids = batch.prompt_index
+            response_mask = batch.response_mask.float()  # (B, R)
+            texts = self.tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)
+
+            # ---- reward ----
+            with timer("reward", timings):
+                self.stage("scoring", force=True)
+                rows = [items[i] for i in group_ids.tolist()]
+                scored = rewards.score_batch([r["data_source"] for r in rows], texts,
+                                             [r["ground_truth"] for r in rows], [r["extra_info"] for r in rows],
+                                             custom_fn=self.custom_fn, timeout_s=cfg.reward.timeout_s)
+            scores = torch.tensor(scored.scores, dtype=torch.float32)  # (B,)
+            token_level_scores = _place_at_last_token(scores, response_mask)  # (B, R)
+            tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                       "responses": batch.responses, "response_mask": batch.response_mask}
+
+            # ---- log-probs ----
+            plan = batch_plan(cfg)
+            # On-policy with one optimizer step: old log-probs equal the current ones, so the ratio
+            # is exactly 1 and the update computes them itself; skip the extra forward pass.
+            if plan.optimizer_steps_per_step > 1:
+                with timer("old_log_prob", timings):
+                    self.stage("computing old log-probs", force=True)
+                    tensors["old_log_probs"], _ = self.actor.compute_log_prob(tensors)
+            if self.ref is not None:
+                with timer("ref", timings):
+                    self.stage("computing reference log-probs", force=True)
+                    tensors["ref_log_probs"] = self.ref.compute_ref_log_prob(tensors)
+
+            # ---- advantages ----
+            with timer("adv", timings):
+                kl_metrics: dict[str, float] = {}
+                token_level_rewards = token_level_scores
+                if cfg.algorithm.use_kl_in_reward:
+                    old = tensors.get("old_log_probs")
+                    if old is None:
+                        old, _ = self.actor.compute_log_prob(tensors)
+                    token_level_rewards, kl_metrics = algos.apply_kl_penalty(
+                        token_level_scores, old, tensors["ref_log_probs"], response_mask, self.kl_ctrl.value,
+                        cfg.algorithm.kl_penalty)
+                    self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=len(indices))
+                advantages, returns = algos.compute_advantage(
+                    cfg.algorithm.adv_estimator, token_level_rewards=token_level_rewards,
+                    response_mask=response_mask, group_ids=group_ids, gamma=cfg.algorithm.gamma,
+                    lam=cfg.algorithm.lam, norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
+                tensors["advantages"] = advantages
+
+            # ---- update ----
+            with timer("update_actor", timings):
+                actor_metrics = self.actor.update_actor(
+                    tensors, progress=lambda d, n: self.stage(f"updating micro-batch {d}/{n}"))
+
+        # ---- metrics and rollouts ----
+        metrics = {"step": step, "epoch": epoch, "time": time.time(), **actor_metrics, **kl_metrics,
+                   **scored.metrics, **timings}
+        metrics.update(batch_metrics(batch, scores, token_level_rewards, advantages, returns, group_ids,
+                                     cfg.data.max_response_length))
+        metrics["perf/total_num_tokens"] = int(batch.attention_mask.sum())
+        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / timings["timing_s/step"]
+        if scored.first_error:
+            metrics["reward/first_error"] = scored.first_error
+        if cfg.trainer.rollout_log_max:
+            self.run.write_rollouts(step, rollout_rows(step, rows, texts, scored, advantages, batch,
+                                                       cfg.trainer.rollout_log_max))
+        return metrics
+
+    # ---- validation, checkpoints, export ----
+
+    def validate(self) -> dict[str, float]:
+        self.stage("validating", force=True)
+        result = evaluate(self.rollout, self.tokenizer, self.val_items, self.cfg.data.max_response_length,
+                          custom_fn=self.custom_fn, timeout_s=self.cfg.reward.timeout_s,
+                          batch_size=self.cfg.data.val_batch_size,
+                          progress=lambda d, n: self.stage(f"validating {d}/{n}"))
+        return result.metrics
+
+    def save(self, step: int) -> Path:
+        self.stage(f"saving checkpoint step_{step}", force=True)
+        tmp = self.run.begin_checkpoint(step)
+        self.actor.save_checkpoint(tmp)
+        state = {"step": step, "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctrl.value,
+                 "seed": self.cfg.trainer.seed}
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        return self.run.commit_checkpoint(tmp, step, self.cfg.trainer.max_checkpoints_to_keep)
+
+    def _load(self, ckpt: Path) -> None:
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        self.actor.load_checkpoint(ckpt)
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.value = state["kl_coef"]
+        self.start_step = self._step = state["step"]
+        self.run.truncate_metrics(self.start_step)
+
+    def export(self, folder: Path) -> Path:
+        tmp = folder.with_name(f".{folder.name}.tmp")
+        if tmp.exists():
+            import shutil
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        self.actor.export(tmp, self.tokenizer)
+        if folder.exists():
+            import shutil
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+        return folder
+
+
+# ---- helpers of the loop ----
+
+def _place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) sequence scores -> (B, R) token-level scores, the score on each response's last token."""
+    out = torch.zeros_like(response_mask, dtype=torch.float32)
+    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+    out[torch.arange(len(scores)), last] = scores * (response_mask.sum(-1) > 0)
+    return out
+
+
+def batch_metrics(batch: RolloutBatch, scores: torch.Tensor, token_level_rewards: torch.Tensor,
+                  advantages: torch.Tensor, returns: torch.Tensor, group_ids: torch.Tensor,
+                  max_response_length: int) -> dict[str, float]:
+    """verl's data metrics: score, reward, advantage, return and length statistics of one step."""
+    mask = batch.response_mask.bool()
+    lengths = batch.response_mask.sum(-1)
+    prompt_lengths = batch.attention_mask[:, : batch.prompt_length].sum(-1)
+    m = {}
+    m.update(_stats("critic/score", scores))
+    m.update(_stats("critic/rewards", token_level_rewards.sum(-1)))
+    m.update(_stats("critic/advantages", advantages[mask]))
+    m.update(_stats("critic/returns", returns[mask]))
+    m.update(_stats("response_length", lengths))
+    m["response_length/clip_ratio"] = (lengths >= max_response_length).float().mean().item()
+    m.update(_stats("prompt_length", prompt_lengths))
+    groups = [scores[group_ids == g] for g in group_ids.unique()]
+    m["batch/zero_spread_groups"] = sum(bool((g == g[0]).all()) for g in groups) / len(groups)
+    m["batch/solve_all"] = sum(bool((g >= 1).all()) for g in groups) / len(groups)
+    m["batch/solve_none"] = sum(bool((g <= 0).all()) for g in groups) / len(groups)
+    return m
+
+
+def rollout_rows(step: int, rows: list[dict], texts: list[str], scored: rewards.ScoredBatch,
+                 advantages: torch.Tensor, batch: RolloutBatch, limit: int) -> dict[str, list]:
+    """The rollouts/step_N.parquet table: one row per sampled response (first `limit`)."""
+    n = min(limit, len(texts))
+    lengths = batch.response_mask.sum(-1).tolist()
+    part_names = sorted({k for p in scored.parts for k in p})
+    out: dict[str, list] = {
+        "step": [step] * n,
+        "group": batch.prompt_index[:n].tolist(),
+        "data_source": [r["data_source"] for r in rows[:n]],
+        "index": [int(r["index"]) for r in rows[:n]],
+        "prompt": [r["prompt_text"] for r in rows[:n]],
+        "response": texts[:n],
+        "ground_truth": [str(r["ground_truth"]) for r in rows[:n]],
+        "pred": [p if p is None else str(p) for p in scored.preds[:n]],
+        "reward": scored.scores[:n],
+        "advantage": [float(advantages[i][: max(lengths[i], 1)].mean()) for i in range(n)],
+        "response_length": [int(x) for x in lengths[:n]],
+        "finish_reason": batch.finish_reasons[:n],
+    }
+    for name in part_names:
+        out[f"reward_{name}"] = [float(p.get(name, math.nan)) for p in scored.parts[:n]]
+    return out
+
+
+def summary_line(m: dict, total: int) -> str:
+    """One line per step for the console."""
+    def g(key: str, fmt: str = ".3f") -> str:
+        v = m.get(key)
+        return "-" if v is None else format(v, fmt)
+    line = (f"step {m['step']}/{total} | score {g('critic/score/mean')} | kl {g('actor/kl_loss', '.4f')} | "
+            f"pg_loss {g('actor/pg_loss', '.4f')} | len {g('response_length/mean', '.1f')} | "
+            f"gen {g('timing_s/gen', '.1f')}s | step {g('timing_s/step', '.1f')}s")
+    if "val/accuracy" in m:
+        line += f" | val acc {g('val/accuracy')}"
+    return line
+
+
+def _install_stop_handlers():
+    """SIGTERM (the UI's stop button) ends the run cleanly as `stopped`; returns an undo function."""
+    def handler(signum, frame):
+        raise RunStopped(f"received signal {signum}")
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (e.g. a UI test harness): nothing to install
+        return lambda: None
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def run_state(run_dir: str | Path) -> str | None:
+    status = read_status(run_dir)
+    return status.get("state") if status else None

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random models (built once per machine, cached) and the sample data sets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def sample_sets(tmp_path_factory) -> dict[str, Path]:
+    from backend import data
+
+    out = tmp_path_factory.mktemp("sample_data")
+    return data.write_sample_sets(out, seed=0, n_train=64, n_val=16)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from backend.models import load_tokenizer
+
+    return load_tokenizer("tiny-qwen3")
+
+
+def tiny_overrides(sample_sets: dict[str, Path], model: str = "tiny-qwen3", **extra) -> list[str]:
+    """Config overrides for a fast CPU run of a tiny model on the sample sets."""
+    base = {
+        "actor_rollout_ref.model.path": model,
+        "data.train_files": f"[{sample_sets['train']}]",
+        "data.val_files": f"[{sample_sets['val']}]",
+        "data.train_batch_size": 2,
+        "data.max_prompt_length": 128,
+        "data.max_response_length": 8,
+        "data.val_max_samples": 4,
+        "actor_rollout_ref.rollout.n": 4,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 4,
+        "actor_rollout_ref.actor.optim.lr": 1e-3,
+        "trainer.total_training_steps": 2,
+        "trainer.device": "cpu",
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]

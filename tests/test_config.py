@@ -1,0 +1,120 @@
+"""The config: verl's key paths, dotted overrides, and messages that name the key, value and fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from backend.config import ConfigError, batch_plan, field_specs, load_config, to_yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def problems_of(*overrides: str) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "configs/default.yaml", list(overrides))
+    return e.value.problems
+
+
+def test_default_config_file_loads_and_validates():
+    cfg = load_config(REPO / "configs/default.yaml")
+    assert cfg.actor_rollout_ref.model.path == "smollm2-135m-instruct"
+    assert cfg.algorithm.adv_estimator == "grpo"
+
+
+def test_dotted_overrides_are_parsed_as_yaml_values():
+    cfg = load_config(REPO / "configs/default.yaml",
+                      ["actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.optim.lr=3e-6",
+                       "data.train_files=[a.parquet, b.parquet]", "actor_rollout_ref.actor.use_kl_loss=false"])
+    assert cfg.actor_rollout_ref.rollout.n == 8
+    assert cfg.actor_rollout_ref.actor.optim.lr == 3e-6
+    assert cfg.data.train_files == ["a.parquet", "b.parquet"]
+    assert cfg.actor_rollout_ref.actor.use_kl_loss is False
+
+
+def test_unknown_key_names_the_closest_known_key():
+    [msg] = problems_of("actor_rollout_ref.rollout.temprature=0.7")
+    assert "unknown key 'actor_rollout_ref.rollout.temprature'" in msg
+    assert "did you mean 'actor_rollout_ref.rollout.temperature'" in msg
+
+
+def test_a_known_leaf_under_the_wrong_section_points_to_its_real_place():
+    [msg] = problems_of("actor_rollout_ref.actor.n=8")
+    assert "did you mean 'actor_rollout_ref.rollout.n'" in msg
+
+
+def test_wrong_type_names_key_value_and_expected_type():
+    [msg] = problems_of("data.train_batch_size=four")
+    assert "data.train_batch_size='four' must be an integer" in msg
+
+
+def test_booleans_are_not_accepted_as_numbers():
+    [msg] = problems_of("actor_rollout_ref.rollout.n=true")
+    assert "actor_rollout_ref.rollout.n=True must be an integer" in msg
+
+
+def test_value_outside_choices_lists_allowed_values():
+    [msg] = problems_of("algorithm.adv_estimator=grpoo")
+    assert "algorithm.adv_estimator='grpoo' is not allowed" in msg
+    assert "rloo" in msg
+
+
+def test_zero_and_negative_sizes_are_rejected():
+    problems = problems_of("data.train_batch_size=0", "actor_rollout_ref.actor.optim.lr=-1")
+    assert any("data.train_batch_size=0 must be >= 1" in p for p in problems)
+    assert any("actor_rollout_ref.actor.optim.lr=-1.0 must be > 0" in p for p in problems)
+
+
+def test_batch_size_not_divisible_by_mini_batch_suggests_divisors():
+    problems = problems_of("data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4")
+    assert ("data.train_batch_size=6 is not divisible by actor_rollout_ref.actor.ppo_mini_batch_size=4: "
+            "choose a mini-batch that divides it (1, 2, 3 or 6)") in problems[0]
+
+
+def test_micro_batch_that_does_not_split_the_mini_batch_is_rejected():
+    [msg] = problems_of("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3")
+    assert "does not split into micro-batches" in msg and "16" in msg
+
+
+def test_group_estimators_need_more_than_one_sample_per_prompt():
+    [msg] = problems_of("actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4")
+    assert "rollout.n must be >= 2" in msg
+
+
+def test_every_problem_is_reported_at_once():
+    assert len(problems_of("data.train_batch_size=x", "trainer.bogus=1", "algorithm.adv_estimator=nope")) == 3
+
+
+def test_malformed_yaml_and_missing_file_are_config_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: [unclosed\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_override_without_equals_sign_is_explained():
+    assert "must look like key.path=value" in problems_of("actor_rollout_ref.rollout.n")[0]
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = load_config(REPO / "configs/default.yaml", ["actor_rollout_ref.rollout.n=8"])
+    path = tmp_path / "c.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path) == cfg
+
+
+def test_batch_plan_counts_prompts_responses_and_optimizer_steps():
+    cfg = load_config(None, ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                             "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_epochs=2",
+                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"])
+    plan = batch_plan(cfg)
+    assert (plan.prompts_per_step, plan.responses_per_step, plan.responses_per_mini_batch) == (8, 32, 8)
+    assert plan.optimizer_steps_per_step == 8
+    assert plan.micro_batches_per_mini_batch == 2
+
+
+def test_every_field_has_help_text():
+    assert all(meta["help"] for _, meta in field_specs().values())

@@ -1,0 +1,149 @@
+"""End to end on tiny models: the run directory contract, learning signal plumbing, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from backend.config import load_config
+from backend.runs import list_checkpoints, read_metrics, read_status
+from backend.trainer import Trainer
+
+from .conftest import tiny_overrides
+
+CORE_METRICS = [
+    "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "actor/pg_loss", "actor/kl_loss",
+    "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/lr", "response_length/mean",
+    "response_length/clip_ratio", "timing_s/gen", "timing_s/update_actor", "timing_s/step", "perf/throughput",
+]
+
+
+def train(run_dir: Path, sample_sets, **extra):
+    cfg = load_config(None, tiny_overrides(sample_sets, **extra))
+    Trainer(cfg, run_dir, show_progress=False).fit()
+    return cfg
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, sample_sets) -> Path:
+    run_dir = tmp_path_factory.mktemp("runs") / "tiny"
+    train(run_dir, sample_sets, **{"trainer.save_freq": 1, "trainer.test_freq": 1})
+    return run_dir
+
+
+def test_a_finished_run_leaves_the_whole_run_directory_contract(finished_run):
+    for name in ("config.yaml", "status.json", "metrics.jsonl", "rollouts/step_000001.parquet",
+                 "rollouts/step_000002.parquet", "checkpoints/step_2/trainer_state.json", "export/config.json"):
+        assert (finished_run / name).exists(), name
+    status = read_status(finished_run)
+    assert status["state"] == "succeeded" and status["step"] == 2 and status["total_steps"] == 2
+
+
+def test_metrics_are_written_per_step_with_verl_names_and_finite_values(finished_run):
+    lines = read_metrics(finished_run)
+    assert [m["step"] for m in lines] == [1, 2]
+    for m in lines:
+        for key in CORE_METRICS:
+            assert key in m and math.isfinite(m[key]), key
+        assert "val/accuracy" in m and "val/arithmetic/accuracy" in m
+
+
+def test_rollouts_hold_one_row_per_response_with_reward_parts(finished_run):
+    table = pq.read_table(finished_run / "rollouts/step_000001.parquet").to_pylist()
+    assert len(table) == 2 * 4
+    row = table[0]
+    for key in ("prompt", "response", "ground_truth", "reward", "advantage", "response_length", "finish_reason",
+                "reward_correct", "reward_format", "group", "data_source"):
+        assert key in row, key
+    groups = {}
+    for r in table:
+        groups.setdefault(r["group"], []).append(r)
+    assert sorted(len(g) for g in groups.values()) == [4, 4]
+    for g in groups.values():
+        assert len({r["prompt"] for r in g}) == 1
+        assert abs(sum(r["advantage"] for r in g)) < 1e-4  # GRPO advantages sum to 0 within a group
+
+
+def test_training_changes_every_weight_of_the_exported_model(finished_run):
+    from backend.models import resolve_model
+
+    base = load_file(Path(resolve_model("tiny-qwen3")) / "model.safetensors")
+    trained = weights(finished_run / "export")
+    assert base.keys() == trained.keys()
+    assert [k for k in base if torch.equal(base[k], trained[k])] == []
+
+
+def test_export_loads_with_plain_transformers(finished_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(finished_run / "export")
+    tokenizer = AutoTokenizer.from_pretrained(finished_run / "export")
+    ids = tokenizer("1 + 1 =", return_tensors="pt")["input_ids"]
+    assert model.generate(ids, max_new_tokens=2, do_sample=False).shape[1] >= ids.shape[1]
+
+
+def test_old_checkpoints_beyond_the_keep_limit_are_removed(tmp_path, sample_sets):
+    train(tmp_path / "r", sample_sets, **{"trainer.total_training_steps": 3, "trainer.save_freq": 1,
+                                          "trainer.max_checkpoints_to_keep": 2})
+    assert [p.name for p in list_checkpoints(tmp_path / "r")] == ["step_2", "step_3"]
+
+
+def test_resumed_run_is_identical_to_an_uninterrupted_one(tmp_path, sample_sets):
+    extra = {"trainer.save_freq": 2, "trainer.test_freq": 0, "data.val_files": "[]",
+             "actor_rollout_ref.actor.ppo_mini_batch_size": 1}  # two optimizer steps: old log-probs used
+    train(tmp_path / "straight", sample_sets, **{**extra, "trainer.total_training_steps": 4})
+    train(tmp_path / "resumed", sample_sets, **{**extra, "trainer.total_training_steps": 2})
+    train(tmp_path / "resumed", sample_sets, **{**extra, "trainer.total_training_steps": 4,
+                                                 "trainer.resume_mode": "auto"})
+    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight, resumed, strict=True):
+        for key in a:
+            if not key.startswith(("timing_s/", "perf/throughput", "time")):
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    wa, wb = weights(tmp_path / "straight/export"), weights(tmp_path / "resumed/export")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+
+
+def test_llama_architecture_trains_with_rloo_and_kl_in_reward(tmp_path, sample_sets):
+    train(tmp_path / "r", sample_sets, model="tiny-llama", **{
+        "algorithm.adv_estimator": "rloo", "algorithm.use_kl_in_reward": True,
+        "actor_rollout_ref.actor.use_kl_loss": False, "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum",
+        "data.val_files": "[]"})
+    lines = read_metrics(tmp_path / "r")
+    assert len(lines) == 2 and "actor/reward_kl_penalty" in lines[-1] and "actor/kl_loss" not in lines[-1]
+
+
+def test_a_raising_reward_function_scores_zero_and_the_run_goes_on(tmp_path, sample_sets):
+    reward = tmp_path / "my_reward.py"
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if len(solution_str) % 2:\n"
+        "        raise RuntimeError('odd length')\n"
+        "    return 1.0\n")
+    train(tmp_path / "r", sample_sets, **{"custom_reward_function.path": str(reward), "data.val_files": "[]"})
+    lines = read_metrics(tmp_path / "r")
+    assert read_status(tmp_path / "r")["state"] == "succeeded"
+    assert sum(m["reward/errors"] for m in lines) > 0
+    assert "odd length" in next(m["reward/first_error"] for m in lines if m["reward/errors"])
+
+
+def test_a_run_that_fails_records_the_error_in_status(tmp_path, sample_sets):
+    bad = tmp_path / "broken.parquet"
+    bad.write_text("not parquet")
+    cfg = load_config(None, tiny_overrides(sample_sets, **{"data.train_files": f"[{bad}]"}))
+    with pytest.raises(Exception, match="not a parquet file"):
+        Trainer(cfg, tmp_path / "r", show_progress=False).fit()
+    status = json.loads((tmp_path / "r/status.json").read_text())
+    assert status["state"] == "failed" and "not a parquet file" in status["error"]

@@ -1,0 +1,71 @@
+"""Actor and reference: log-probs on padded batches, and an update that moves every weight."""
+
+from __future__ import annotations
+
+import torch
+
+from backend.config import load_config
+from backend.models import load_model
+from backend.rollout import left_pad
+from backend.workers import ActorWorker, RefWorker, response_log_probs
+
+from .conftest import tiny_overrides
+
+
+def padded_batch(tokenizer):
+    prompts = [tokenizer("1 + 2 =")["input_ids"], tokenizer("a much longer prompt: 7 - 4 =")["input_ids"]]
+    responses = torch.tensor([[30, 31, 32, tokenizer.pad_token_id], [40, 41, 42, 43]])
+    response_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    prompt_ids, prompt_mask = left_pad(prompts, tokenizer.pad_token_id)
+    return prompts, {"input_ids": torch.cat([prompt_ids, responses], 1),
+                     "attention_mask": torch.cat([prompt_mask, response_mask], 1),
+                     "responses": responses, "response_mask": response_mask}
+
+
+def test_response_log_probs_of_a_left_padded_row_equal_those_of_the_row_alone(tiny_tokenizer):
+    model = load_model("tiny-qwen3", torch.device("cpu")).eval()
+    prompts, batch = padded_batch(tiny_tokenizer)
+    padded, _ = response_log_probs(model, batch["input_ids"], batch["attention_mask"], 4)
+    alone = torch.tensor([prompts[0] + [30, 31, 32]])
+    logits = model(alone).logits[0, len(prompts[0]) - 1:-1]
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor([[30], [31], [32]])).squeeze(-1)
+    torch.testing.assert_close(padded[0, :3], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_temperature_scales_logits_before_the_softmax(tiny_tokenizer):
+    model = load_model("tiny-llama", torch.device("cpu")).eval()
+    _, batch = padded_batch(tiny_tokenizer)
+    cold, _ = response_log_probs(model, batch["input_ids"], batch["attention_mask"], 4, temperature=0.5)
+    logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=(batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)).logits[:, -5:-1]
+    expected = torch.log_softmax(logits / 0.5, -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(cold, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_one_update_changes_every_trainable_parameter_and_not_the_reference(sample_sets, tiny_tokenizer):
+    cfg = load_config(None, tiny_overrides(sample_sets, **{"actor_rollout_ref.actor.ppo_mini_batch_size": 1,
+                                                          "actor_rollout_ref.rollout.n": 2,
+                                                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1}))
+    actor = ActorWorker(cfg, torch.device("cpu"), total_steps=1)
+    ref = RefWorker(cfg, torch.device("cpu"))
+    before = {k: v.clone() for k, v in actor.model.named_parameters()}
+    ref_before = {k: v.clone() for k, v in ref.model.named_parameters()}
+    _, batch = padded_batch(tiny_tokenizer)
+    batch["ref_log_probs"] = ref.compute_ref_log_prob(batch)
+    batch["advantages"] = torch.tensor([[1.0, 1.0, 1.0, 0.0], [-1.0, -1.0, -1.0, -1.0]])
+    metrics = actor.update_actor(batch)
+    unchanged = [k for k, v in actor.model.named_parameters() if torch.equal(v, before[k])]
+    assert unchanged == []
+    assert all(torch.equal(v, ref_before[k]) for k, v in ref.model.named_parameters())
+    assert metrics["actor/pg_clipfrac"] == 0.0  # on-policy: the ratio is exactly 1
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+
+
+def test_actor_log_probs_match_the_reference_before_any_update(sample_sets, tiny_tokenizer):
+    cfg = load_config(None, tiny_overrides(sample_sets))
+    actor = ActorWorker(cfg, torch.device("cpu"), total_steps=1)
+    ref = RefWorker(cfg, torch.device("cpu"))
+    _, batch = padded_batch(tiny_tokenizer)
+    log_probs, entropy = actor.compute_log_prob(batch)
+    torch.testing.assert_close(log_probs, ref.compute_ref_log_prob(batch))
+    assert entropy.shape == log_probs.shape and bool((entropy > 0).all())
