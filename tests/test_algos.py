@@ -1,0 +1,645 @@
+"""Hand-worked checks of backend.algos.
+
+Every expected number below is worked out in the comments next to it. Padded positions hold huge
+values (BIG), inf or NaN: if any of them leaked into a result the expected numbers would be far off.
+"""
+
+import math
+
+import pytest
+import torch
+
+from backend import algos
+from backend.algos import (
+    KL_TYPES,
+    LOSS_AGG_MODES,
+    AdaptiveKLController,
+    FixedKLController,
+    advantage_estimators,
+    agg_loss,
+    apply_kl_penalty,
+    compute_advantage,
+    compute_policy_loss,
+    entropy_from_logits,
+    get_advantage_fn,
+    get_policy_loss_fn,
+    kl_penalty,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    policy_losses,
+    register_advantage,
+    register_policy_loss,
+)
+
+BIG = 1e6
+EPS = 1e-6  # compute_advantage's default epsilon
+WHITEN_EPS = 1e-8  # masked_whiten's variance epsilon
+
+
+def t(rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def assert_close(actual: torch.Tensor, expected, atol: float = 1e-5) -> None:
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=atol, rtol=1e-5)
+
+
+# =====================================================================================================
+# ---- masked helpers ----
+# =====================================================================================================
+
+
+def test_masked_mean_ignores_padding_overall_and_per_row():
+    values = t([[1.0, 2.0, BIG], [3.0, BIG, BIG]])
+    mask = t([[1, 1, 0], [1, 0, 0]])
+    assert_close(masked_mean(values, mask), 2.0)  # (1 + 2 + 3) / 3
+    assert_close(masked_mean(values, mask, dim=-1), [1.5, 3.0])
+
+
+def test_masked_mean_of_an_empty_row_is_zero_not_nan():
+    values = t([[1.0, 3.0], [BIG, float("nan")]])
+    mask = t([[1, 1], [0, 0]])
+    assert_close(masked_mean(values, mask, dim=-1), [2.0, 0.0])
+    assert_close(masked_mean(values, torch.zeros_like(mask)), 0.0)
+
+
+def test_masked_var_is_unbiased_by_default_and_biased_on_request():
+    values = t([[2.0, 4.0, BIG], [6.0, BIG, float("inf")]])
+    mask = t([[1, 1, 0], [1, 0, 0]])
+    # mean 4; squared deviations 4, 0, 4 -> unbiased 8/2 = 4, biased 8/3
+    assert_close(masked_var(values, mask), 4.0)
+    assert_close(masked_var(values, mask, unbiased=False), 8.0 / 3.0)
+
+
+def test_masked_var_of_a_single_valid_entry_is_zero_not_nan():
+    assert_close(masked_var(t([[5.0, BIG]]), t([[1, 0]])), 0.0)
+
+
+def test_masked_whiten_standardises_valid_entries_and_zeroes_padding():
+    values = t([[2.0, 4.0, BIG], [6.0, BIG, BIG]])
+    mask = t([[1, 1, 0], [1, 0, 0]])
+    # mean 4, unbiased std 2 -> (-1, 0, 1)
+    s = 1 / math.sqrt(1 + WHITEN_EPS / 4)
+    assert_close(masked_whiten(values, mask), [[-s, 0.0, 0.0], [s, 0.0, 0.0]])
+
+
+def test_masked_whiten_without_mean_shift_only_rescales():
+    values = t([[2.0, 4.0, BIG], [6.0, BIG, BIG]])
+    mask = t([[1, 1, 0], [1, 0, 0]])
+    # (v - 4) / 2 + 4 -> 3, 4, 5
+    assert_close(masked_whiten(values, mask, shift_mean=False), [[3.0, 4.0, 0.0], [5.0, 0.0, 0.0]])
+
+
+# =====================================================================================================
+# ---- agg_loss ----
+# =====================================================================================================
+
+# seq 0 has 3 valid tokens (sum 6, mean 2), seq 1 has 2 (sum 9, mean 4.5); T = 4.
+AGG_LOSS = [[1.0, 2.0, 3.0, BIG], [4.0, 5.0, BIG, BIG]]
+AGG_MASK = [[1, 1, 1, 0], [1, 1, 0, 0]]
+AGG_EXPECTED = {
+    "token-mean": 15.0 / 5.0,  # 3.0
+    "seq-mean-token-sum": (6.0 + 9.0) / 2.0,  # 7.5
+    "seq-mean-token-mean": (2.0 + 4.5) / 2.0,  # 3.25
+    "seq-mean-token-sum-norm": 15.0 / 4.0,  # 3.75, divided by the max length T, not by token count
+}
+
+
+def test_loss_agg_modes_lists_exactly_the_four_modes():
+    assert set(LOSS_AGG_MODES) == set(AGG_EXPECTED)
+
+
+@pytest.mark.parametrize("mode", sorted(AGG_EXPECTED))
+def test_agg_loss_matches_hand_computed_value_on_sequences_of_different_lengths(mode):
+    assert_close(agg_loss(t(AGG_LOSS), t(AGG_MASK), mode), AGG_EXPECTED[mode])
+
+
+@pytest.mark.parametrize("mode", sorted(AGG_EXPECTED))
+def test_agg_loss_accepts_a_bool_mask_and_ignores_inf_and_nan_padding(mode):
+    loss = t([[1.0, 2.0, 3.0, float("inf")], [4.0, 5.0, float("nan"), -float("inf")]])
+    assert_close(agg_loss(loss, torch.tensor(AGG_MASK, dtype=torch.bool), mode), AGG_EXPECTED[mode])
+
+
+@pytest.mark.parametrize("mode", sorted(AGG_EXPECTED))
+def test_agg_loss_skips_a_zero_length_sequence_without_nan(mode):
+    loss = t([*AGG_LOSS, [BIG, BIG, BIG, BIG]])
+    mask = t([*AGG_MASK, [0, 0, 0, 0]])
+    assert_close(agg_loss(loss, mask, mode), AGG_EXPECTED[mode])
+
+
+@pytest.mark.parametrize("mode", sorted(AGG_EXPECTED))
+def test_agg_loss_of_an_all_padding_batch_is_zero_with_finite_gradient(mode):
+    loss = t([[BIG, float("inf")], [float("nan"), 1.0]]).requires_grad_()
+    out = agg_loss(loss, t([[0, 0], [0, 0]]), mode)
+    out.backward()
+    assert out.item() == 0.0
+    assert torch.equal(loss.grad, torch.zeros_like(loss))
+
+
+def test_agg_loss_token_mean_gradient_is_one_over_valid_token_count_and_zero_at_padding():
+    loss = t(AGG_LOSS).requires_grad_()
+    agg_loss(loss, t(AGG_MASK), "token-mean").backward()
+    assert_close(loss.grad, [[0.2, 0.2, 0.2, 0.0], [0.2, 0.2, 0.0, 0.0]])
+
+
+def test_agg_loss_unknown_mode_raises_and_lists_known_modes():
+    known = "token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm"
+    with pytest.raises(ValueError, match=known):
+        agg_loss(t(AGG_LOSS), t(AGG_MASK), "sum")
+
+
+# =====================================================================================================
+# ---- kl_penalty ----
+# =====================================================================================================
+
+# logp - ref = (0.5, -1.0, 2.0); r = ref - logp = (-0.5, 1.0, -2.0)
+KL_LOGP = [[-0.5, -2.0, -1.0]]
+KL_REF = [[-1.0, -1.0, -3.0]]
+KL_EXPECTED = {
+    "k1": [[0.5, -1.0, 2.0]],
+    "k2": [[0.125, 0.5, 2.0]],  # 0.5 * d^2
+    # exp(r) - r - 1: exp(-0.5) - 0.5 = 0.1065307, e - 2 = 0.7182818, exp(-2) + 1 = 1.1353353
+    "k3": [[0.10653066, 0.71828183, 1.13533528]],
+    "abs": [[0.5, 1.0, 2.0]],
+}
+KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+
+
+def test_kl_types_lists_every_name_and_alias():
+    assert set(KL_TYPES) == set(KL_EXPECTED) | set(KL_ALIASES)
+
+
+@pytest.mark.parametrize("kl_type", sorted(KL_EXPECTED))
+def test_kl_penalty_matches_hand_computed_values(kl_type):
+    assert_close(kl_penalty(t(KL_LOGP), t(KL_REF), kl_type), KL_EXPECTED[kl_type])
+
+
+@pytest.mark.parametrize(("alias", "name"), sorted(KL_ALIASES.items()))
+def test_kl_penalty_alias_gives_the_same_values_as_its_name(alias, name):
+    assert_close(kl_penalty(t(KL_LOGP), t(KL_REF), alias), KL_EXPECTED[name])
+
+
+def test_k3_kl_is_clamped_to_ten_with_finite_gradient():
+    # r = -15 -> exp(-15) + 14 = 14.0000003; r = 15 -> 3.27e6; r = 100 -> overflow: all clamp to 10
+    logp = t([[0.0, -15.0, -100.0, 0.0]]).requires_grad_()
+    ref = t([[-15.0, 0.0, 0.0, -1.0]])
+    kl = kl_penalty(logp, ref, "k3")
+    assert_close(kl[0, :3], [10.0, 10.0, 10.0])
+    assert_close(kl[0, 3], math.exp(-1) + 1 - 1)  # r = -1: not clamped
+    kl.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+    assert_close(logp.grad[0, :3], [0.0, 0.0, 0.0])  # no gradient through the clamp
+
+
+def test_kl_penalty_unknown_type_raises_and_lists_known_types():
+    with pytest.raises(ValueError, match="k1, kl, k2, mse, k3, low_var_kl, abs"):
+        kl_penalty(t(KL_LOGP), t(KL_REF), "k4")
+
+
+# =====================================================================================================
+# ---- apply_kl_penalty and KL controllers ----
+# =====================================================================================================
+
+
+def test_apply_kl_penalty_subtracts_coef_times_kl_on_valid_tokens_only():
+    scores = t([[0.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 0.0]])
+    logp = t([[-1.0, -1.0, -1.0, 50.0], [-2.0, -1.0, 50.0, 50.0]])
+    ref = t([[-1.5, -0.5, -1.0, -50.0], [-1.0, -1.0, -50.0, -50.0]])
+    mask = t([[1, 1, 1, 0], [1, 1, 0, 0]])
+    # |logp - ref| = (0.5, 0.5, 0) and (1, 0); coef 0.1
+    rewards, metrics = apply_kl_penalty(scores, logp, ref, mask, kl_coef=0.1, kl_type="abs")
+    assert_close(rewards, [[-0.05, -0.05, 1.0, 0.0], [-0.1, 2.0, 0.0, 0.0]])
+    # per-sequence mean KL: 1/3 and 1/2 -> (1/3 + 1/2) / 2 = 5/12
+    assert metrics["actor/reward_kl_penalty"] == pytest.approx(5.0 / 12.0)
+    assert metrics["actor/reward_kl_penalty_coeff"] == pytest.approx(0.1)
+    assert all(isinstance(v, float) for v in metrics.values())
+
+
+def test_fixed_kl_controller_never_changes_its_value():
+    ctl = FixedKLController(kl_coef=0.05)
+    ctl.update(current_kl=100.0, n_steps=1000)
+    assert ctl.value == 0.05
+
+
+@pytest.mark.parametrize(
+    ("current_kl", "n_steps", "horizon", "expected"),
+    [
+        (9.0, 256, 10000, 0.1 * (1 + 0.2 * 256 / 10000)),  # error 0.5 clipped to 0.2 -> 0.100512
+        (3.0, 256, 10000, 0.1 * (1 - 0.2 * 256 / 10000)),  # error -0.5 clipped to -0.2 -> 0.099488
+        (6.6, 100, 1000, 0.1 * 1.01),  # error 0.1 not clipped: 1 + 0.1 * 100 / 1000
+        (6.0, 100, 1000, 0.1),  # on target: unchanged
+    ],
+)
+def test_adaptive_kl_controller_follows_ziegler_update(current_kl, n_steps, horizon, expected):
+    ctl = AdaptiveKLController(init_kl_coef=0.1, target_kl=6.0, horizon=horizon)
+    ctl.update(current_kl=current_kl, n_steps=n_steps)
+    assert ctl.value == pytest.approx(expected)
+
+
+def test_adaptive_kl_controller_rejects_a_non_positive_target():
+    with pytest.raises(ValueError, match="target_kl"):
+        AdaptiveKLController(init_kl_coef=0.1, target_kl=0.0, horizon=1000)
+
+
+# =====================================================================================================
+# ---- advantage estimators ----
+# =====================================================================================================
+
+# Five responses, T = 3, group ids unordered and non-contiguous.
+#   seq  group  valid  score
+#   0    7      2      1.0
+#   1    3      3      0.0
+#   2    7      3      0.25 - 0.25 + 0 = 0.0
+#   3    3      1      1.0
+#   4    7      2      0.5
+# group 7: scores (1, 0, 0.5): mean 0.5, unbiased std sqrt((0.25 + 0.25 + 0) / 2) = 0.5
+# group 3: scores (0, 1):      mean 0.5, unbiased std sqrt((0.25 + 0.25) / 1) = sqrt(0.5)
+REWARDS = [
+    [0.0, 1.0, BIG],
+    [0.0, 0.0, 0.0],
+    [0.25, -0.25, 0.0],
+    [1.0, BIG, BIG],
+    [0.0, 0.5, BIG],
+]
+MASK = [[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 0, 0], [1, 1, 0]]
+GROUP_IDS = [7, 3, 7, 3, 7]
+STD3 = math.sqrt(0.5)
+
+
+def group_batch(group_ids=GROUP_IDS) -> dict:
+    return {
+        "token_level_rewards": t(REWARDS),
+        "response_mask": t(MASK),
+        "group_ids": torch.tensor(group_ids, dtype=torch.long),
+    }
+
+
+def test_advantage_estimators_lists_all_six_builtins():
+    assert advantage_estimators() == sorted(
+        ["grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
+    )
+
+
+def test_grpo_advantage_divides_centered_score_by_group_std_on_valid_tokens():
+    adv, ret = compute_advantage("grpo", **group_batch())
+    a7, a3 = 0.5 / (0.5 + EPS), 0.5 / (STD3 + EPS)
+    expected = [[a7, a7, 0.0], [-a3, -a3, -a3], [-a7, -a7, -a7], [a3, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    assert_close(adv, expected)
+    assert_close(ret, expected)
+
+
+def test_grpo_advantage_without_std_normalisation_is_score_minus_group_mean():
+    adv, _ = compute_advantage("grpo", **group_batch(), norm_adv_by_std=False)
+    assert_close(adv, [[0.5, 0.5, 0.0], [-0.5] * 3, [-0.5] * 3, [0.5, 0.0, 0.0], [0.0] * 3])
+
+
+def test_grpo_advantage_does_not_depend_on_the_values_of_group_ids():
+    relabelled = [-5, 100, -5, 100, -5]
+    original, _ = compute_advantage("grpo", **group_batch())
+    renamed, _ = compute_advantage("grpo", **group_batch(relabelled))
+    assert torch.equal(original, renamed)
+
+
+def test_grpo_advantage_is_zero_when_all_group_rewards_are_equal():
+    batch = {
+        "token_level_rewards": t([[0.0, 1.0], [1.0, BIG], [0.0, 1.0]]),
+        "response_mask": t([[1, 1], [1, 0], [1, 1]]),
+        "group_ids": torch.tensor([2, 2, 2]),
+    }
+    adv, _ = compute_advantage("grpo", **batch)
+    assert torch.equal(adv, torch.zeros(3, 2))
+
+
+def test_grpo_advantage_of_a_group_of_one_is_its_score_over_one_plus_eps():
+    # group 4 has one response: mean 0, std 1 (as verl) -> 0.7 / (1 + eps); group 9: (1, 0) -> +-0.5/sqrt(0.5)
+    batch = {
+        "token_level_rewards": t([[0.0, 0.7, BIG], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]),
+        "response_mask": t([[1, 1, 0], [1, 1, 1], [1, 1, 1]]),
+        "group_ids": torch.tensor([4, 9, 9]),
+    }
+    adv, _ = compute_advantage("grpo", **batch)
+    a = 0.5 / (STD3 + EPS)
+    assert_close(adv, [[0.7 / (1 + EPS)] * 2 + [0.0], [a] * 3, [-a] * 3])
+
+
+def test_grpo_advantage_of_a_zero_length_response_is_zero_without_nan():
+    batch = {
+        "token_level_rewards": t([[1.0, BIG], [BIG, BIG], [0.0, 0.0]]),
+        "response_mask": t([[1, 0], [0, 0], [1, 1]]),
+        "group_ids": torch.tensor([1, 1, 1]),
+    }
+    adv, _ = compute_advantage("grpo", **batch)
+    # scores (1, 0, 0): mean 1/3, std sqrt((4/9 + 1/9 + 1/9) / 2) = sqrt(1/3)
+    std = math.sqrt(1.0 / 3.0)
+    assert_close(adv, [[(2 / 3) / (std + EPS), 0.0], [0.0, 0.0], [(-1 / 3) / (std + EPS)] * 2])
+
+
+def test_drgrpo_advantage_is_score_minus_group_mean_even_when_asked_to_normalise():
+    adv, ret = compute_advantage("drgrpo", **group_batch(), norm_adv_by_std=True)
+    expected = [[0.5, 0.5, 0.0], [-0.5] * 3, [-0.5] * 3, [0.5, 0.0, 0.0], [0.0] * 3]
+    assert_close(adv, expected)
+    assert_close(ret, expected)
+
+
+def test_rloo_advantage_is_score_minus_mean_of_the_other_responses():
+    adv, ret = compute_advantage("rloo", **group_batch())
+    # group 7: 1 - (0 + 0.5)/2 = 0.75, 0 - (1 + 0.5)/2 = -0.75, 0.5 - (1 + 0)/2 = 0; group 3: 0 - 1, 1 - 0
+    expected = [[0.75, 0.75, 0.0], [-1.0] * 3, [-0.75] * 3, [1.0, 0.0, 0.0], [0.0] * 3]
+    assert_close(adv, expected)
+    assert_close(ret, expected)
+
+
+def test_rloo_advantage_of_a_group_of_one_is_zero():
+    batch = {
+        "token_level_rewards": t([[0.0, 0.7], [0.0, 1.0], [2.0, BIG]]),
+        "response_mask": t([[1, 1], [1, 1], [1, 0]]),
+        "group_ids": torch.tensor([4, 9, 9]),
+    }
+    adv, _ = compute_advantage("rloo", **batch)
+    assert_close(adv, [[0.0, 0.0], [-1.0, -1.0], [1.0, 0.0]])  # group 9: 1 - 2, 2 - 1
+
+
+def test_reinforce_plus_plus_discounts_returns_to_go_then_whitens_over_the_batch():
+    batch = {
+        "token_level_rewards": t([[0.0, 0.0, 1.0, BIG], [0.0, 2.0, BIG, BIG]]),
+        "response_mask": t([[1, 1, 1, 0], [1, 1, 0, 0]]),
+        "group_ids": torch.tensor([0, 1]),
+    }
+    adv, ret = compute_advantage("reinforce_plus_plus", **batch, gamma=0.5)
+    # returns-to-go with gamma 0.5: (0.25, 0.5, 1) and (1, 2)
+    assert_close(ret, [[0.25, 0.5, 1.0, 0.0], [1.0, 2.0, 0.0, 0.0]])
+    # mean 4.75/5 = 0.95; deviations -0.7 -0.45 0.05 0.05 1.05; sum sq 1.8 -> unbiased var 0.45
+    s = math.sqrt(0.45 + WHITEN_EPS)
+    assert_close(adv, [[-0.7 / s, -0.45 / s, 0.05 / s, 0.0], [0.05 / s, 1.05 / s, 0.0, 0.0]])
+
+
+def test_reinforce_plus_plus_return_restarts_after_a_masked_position():
+    batch = {
+        "token_level_rewards": t([[1.0, BIG, 1.0]]),
+        "response_mask": t([[1, 0, 1]]),
+        "group_ids": torch.tensor([0]),
+    }
+    _, ret = compute_advantage("reinforce_plus_plus", **batch, gamma=1.0)
+    assert_close(ret, [[1.0, 0.0, 1.0]])  # without the restart t=0 would see 1 + 1 = 2
+
+
+def test_reinforce_plus_plus_baseline_whitens_group_centered_scores_over_the_batch():
+    batch = {
+        "token_level_rewards": t([[0.0, 1.0], [2.0, BIG], [0.0, 0.0], [0.0, BIG]]),
+        "response_mask": t([[1, 1], [1, 0], [1, 1], [1, 0]]),
+        "group_ids": torch.tensor([5, 9, 5, 9]),
+    }
+    adv, ret = compute_advantage("reinforce_plus_plus_baseline", **batch)
+    # group 5: (1, 0) -> +-0.5; group 9: (2, 0) -> +-1. Tokens 0.5 0.5 1 -0.5 -0.5 -1: mean 0,
+    # unbiased var (4 * 0.25 + 1 + 1) / 5 = 0.6
+    s = math.sqrt(0.6 + WHITEN_EPS)
+    expected = [[0.5 / s, 0.5 / s], [1.0 / s, 0.0], [-0.5 / s, -0.5 / s], [-1.0 / s, 0.0]]
+    assert_close(adv, expected)
+    assert_close(ret, expected)
+
+
+GAE_REWARDS = [[0.0, 0.0, 1.0, BIG], [0.0, 2.0, BIG, BIG]]
+GAE_VALUES = [[0.5, 0.2, -0.3, BIG], [1.0, 0.4, BIG, BIG]]
+GAE_MASK = [[1, 1, 1, 0], [1, 1, 0, 0]]
+
+
+def gae_batch() -> dict:
+    return {
+        "token_level_rewards": t(GAE_REWARDS),
+        "response_mask": t(GAE_MASK),
+        "group_ids": torch.tensor([0, 1]),
+        "values": t(GAE_VALUES),
+    }
+
+
+def test_gae_with_gamma_and_lambda_one_gives_returns_to_go_and_whitened_returns_minus_values():
+    adv, ret = compute_advantage("gae", **gae_batch(), gamma=1.0, lam=1.0)
+    # returns-to-go: (1, 1, 1) and (2, 2), whatever the values
+    assert_close(ret, [[1.0, 1.0, 1.0, 0.0], [2.0, 2.0, 0.0, 0.0]])
+    # unwhitened A = G - V: (0.5, 0.8, 1.3), (1.0, 1.6); mean 1.04;
+    # deviations -0.54 -0.24 0.26 -0.04 0.56; sum sq 0.732 -> unbiased var 0.183
+    s = math.sqrt(0.183 + WHITEN_EPS)
+    assert_close(adv, [[-0.54 / s, -0.24 / s, 0.26 / s, 0.0], [-0.04 / s, 0.56 / s, 0.0, 0.0]])
+
+
+def test_gae_returns_match_hand_recursion_with_gamma_and_lambda_one_half():
+    _, ret = compute_advantage("gae", **gae_batch(), gamma=0.5, lam=0.5)
+    # seq 0: d2 = 1 + 0.3 = 1.3, A2 = 1.3
+    #        d1 = 0.5 * -0.3 - 0.2 = -0.35, A1 = -0.35 + 0.25 * 1.3 = -0.025
+    #        d0 = 0.5 * 0.2 - 0.5 = -0.4,   A0 = -0.4 + 0.25 * -0.025 = -0.40625
+    # seq 1: d1 = 2 - 0.4 = 1.6, A1 = 1.6; d0 = 0.5 * 0.4 - 1 = -0.8, A0 = -0.8 + 0.25 * 1.6 = -0.4
+    # returns = A + V
+    assert_close(ret, [[0.09375, 0.175, 1.0, 0.0], [0.6, 2.0, 0.0, 0.0]])
+
+
+def test_gae_skips_a_masked_position_inside_the_response():
+    batch = {
+        "token_level_rewards": t([[0.0, BIG, 1.0]]),
+        "response_mask": t([[1, 0, 1]]),
+        "group_ids": torch.tensor([0]),
+        "values": t([[0.5, BIG, 0.2]]),
+    }
+    _, ret = compute_advantage("gae", **batch, gamma=0.5, lam=1.0)
+    # A2 = 1 - 0.2 = 0.8; t=0 bootstraps from V2 one step away: d0 = 0.5 * 0.2 - 0.5 = -0.4,
+    # A0 = -0.4 + 0.5 * 0.8 = 0 -> return 0.5 (a padded step counted as a step would give 0.25)
+    assert_close(ret, [[0.5, 0.0, 1.0]])
+
+
+def test_gae_without_values_raises():
+    batch = gae_batch()
+    del batch["values"]
+    with pytest.raises(ValueError, match="values"):
+        compute_advantage("gae", **batch)
+
+
+BUILTIN_ESTIMATORS = ["grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
+
+
+@pytest.mark.parametrize("name", BUILTIN_ESTIMATORS)
+def test_every_estimator_is_finite_and_zero_at_padding_and_detached(name):
+    rewards = t([[1.0, float("inf"), BIG], [0.0, 2.0, float("nan")], [0.5, 0.5, 0.5]]).requires_grad_()
+    values = t([[0.1, float("nan"), BIG], [0.2, 0.3, float("inf")], [0.0, 0.1, 0.2]])
+    mask = t([[1, 0, 0], [1, 1, 0], [1, 1, 1]])
+    group_ids = torch.tensor([3, 3, 8])
+    adv, ret = compute_advantage(
+        name, token_level_rewards=rewards, response_mask=mask, group_ids=group_ids, values=values
+    )
+    for out in (adv, ret):
+        assert torch.isfinite(out).all()
+        assert torch.equal(out[mask == 0], torch.zeros(int((mask == 0).sum())))
+        assert not out.requires_grad
+
+
+def test_unknown_advantage_estimator_raises_and_lists_known_names_sorted():
+    known = "drgrpo, gae, grpo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo"
+    with pytest.raises(ValueError, match=known):
+        get_advantage_fn("ppo")
+    with pytest.raises(ValueError, match="known"):
+        compute_advantage("ppo", **group_batch())
+
+
+def test_compute_advantage_passes_an_estimator_only_the_parameters_it_declares(monkeypatch):
+    monkeypatch.setattr(algos, "_ADVANTAGE_ESTIMATORS", dict(algos._ADVANTAGE_ESTIMATORS))
+    received = {}
+
+    @register_advantage("scaled")
+    def scaled(token_level_rewards, gamma):
+        received.update(token_level_rewards=token_level_rewards, gamma=gamma)
+        return token_level_rewards * gamma, token_level_rewards
+
+    adv, _ = compute_advantage("scaled", **group_batch(), gamma=2.0, lam=0.3)
+    assert set(received) == {"token_level_rewards", "gamma"}
+    assert received["gamma"] == 2.0
+    assert_close(adv[0], [0.0, 2.0, 0.0])  # padding (BIG * 2) masked by the dispatcher
+    assert "scaled" in advantage_estimators()
+
+
+def test_compute_advantage_passes_everything_to_an_estimator_with_var_keywords(monkeypatch):
+    monkeypatch.setattr(algos, "_ADVANTAGE_ESTIMATORS", dict(algos._ADVANTAGE_ESTIMATORS))
+    received = {}
+
+    @register_advantage("greedy")
+    def greedy(**kwargs):
+        received.update(kwargs)
+        return kwargs["token_level_rewards"], kwargs["token_level_rewards"]
+
+    compute_advantage("greedy", **group_batch())
+    assert set(received) == {
+        "token_level_rewards",
+        "response_mask",
+        "group_ids",
+        "values",
+        "gamma",
+        "lam",
+        "epsilon",
+        "norm_adv_by_std",
+    }
+
+
+def test_registering_an_advantage_name_twice_raises(monkeypatch):
+    monkeypatch.setattr(algos, "_ADVANTAGE_ESTIMATORS", dict(algos._ADVANTAGE_ESTIMATORS))
+    with pytest.raises(ValueError, match="already registered"):
+        register_advantage("grpo")(lambda token_level_rewards: (token_level_rewards, token_level_rewards))
+
+
+def test_registering_an_estimator_that_needs_an_unknown_input_raises(monkeypatch):
+    monkeypatch.setattr(algos, "_ADVANTAGE_ESTIMATORS", dict(algos._ADVANTAGE_ESTIMATORS))
+    with pytest.raises(TypeError, match="prompt_lengths"):
+        register_advantage("needs_lengths")(lambda token_level_rewards, prompt_lengths: None)
+
+
+# =====================================================================================================
+# ---- policy loss ----
+# =====================================================================================================
+
+
+def policy_batch(ratios, advantages, mask):
+    """old log-probs 0, current log-probs log(ratio); padded entries get wild log-probs."""
+    mask = t(mask)
+    ratios = t(ratios)
+    log_probs = torch.where(mask.bool(), ratios.log(), t(50.0))
+    old_log_probs = torch.where(mask.bool(), t(0.0), t(-50.0))
+    return old_log_probs, log_probs, t(advantages), mask
+
+
+# seq 0, A = +1: ratio 1.5 -> clipped to 1.2, loss -1.2 (clip active);
+#                ratio 0.5 -> -0.5 vs -0.8, keeps -0.5 (no clip)
+# seq 1, A = -1: ratio 4.0 -> max(4, 1.2) = 4, dual clip min(4, 3) = 3 (dual clip active);
+#                ratio 0.5 -> max(0.5, 0.8) = 0.8 (clip active)
+PPO = policy_batch(
+    ratios=[[1.5, 0.5, 1.0], [4.0, 0.5, 1.0]],
+    advantages=[[1.0, 1.0, BIG], [-1.0, -1.0, -BIG]],
+    mask=[[1, 1, 0], [1, 1, 0]],
+)
+
+
+def test_policy_loss_clips_the_ratio_and_dual_clips_negative_advantages():
+    loss, metrics = compute_policy_loss(*PPO)
+    assert_close(loss, (-1.2 - 0.5 + 3.0 + 0.8) / 4)  # 0.525
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 4)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(1 / 4)
+    # mean(old - logp) = -(ln 1.5 + ln 0.5 + ln 4 + ln 0.5) / 4 = -ln(1.5) / 4
+    assert metrics["actor/ppo_kl"] == pytest.approx(-math.log(1.5) / 4)
+    assert all(isinstance(v, float) for v in metrics.values())
+
+
+def test_policy_loss_dual_clip_is_inactive_when_clip_ratio_c_exceeds_the_ratio():
+    loss, metrics = compute_policy_loss(*PPO, clip_ratio_c=10.0)
+    assert_close(loss, (-1.2 - 0.5 + 4.0 + 0.8) / 4)  # 0.775
+    assert metrics["actor/pg_clipfrac_lower"] == 0.0
+
+
+def test_policy_loss_uses_asymmetric_clip_ratios():
+    batch = policy_batch(
+        ratios=[[1.5, 1.25], [0.8, 0.95]], advantages=[[1.0, 1.0], [-1.0, -1.0]], mask=[[1, 1], [1, 1]]
+    )
+    # range [0.9, 1.3]: 1.5 -> 1.3 (-1.3); 1.25 kept (-1.25); 0.8 -> max(0.8, 0.9) = 0.9; 0.95 kept (0.95)
+    loss, metrics = compute_policy_loss(*batch, clip_ratio_low=0.1, clip_ratio_high=0.3)
+    assert_close(loss, (-1.3 - 1.25 + 0.9 + 0.95) / 4)  # -0.175
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 4)
+
+
+def test_policy_loss_passes_the_aggregation_mode_through():
+    loss, _ = compute_policy_loss(*PPO, loss_agg_mode="seq-mean-token-sum")
+    assert_close(loss, ((-1.2 - 0.5) + (3.0 + 0.8)) / 2)  # 1.05
+
+
+def test_on_policy_gradient_is_minus_advantage_over_token_count_and_zero_at_padding():
+    mask = t([[1, 1, 0], [1, 0, 0]])
+    # padding: a finite ratio against an infinite advantage, and NaN / inf log-probs
+    old = t([[-1.0, -2.0, 0.0], [-0.5, float("inf"), 3.0]])
+    log_probs = t([[-1.0, -2.0, 0.0], [-0.5, float("nan"), float("nan")]]).requires_grad_()
+    advantages = t([[2.0, -1.0, float("inf")], [0.5, BIG, float("nan")]])
+    loss, metrics = compute_policy_loss(old, log_probs, advantages, mask)
+    loss.backward()
+    # ratio 1 everywhere valid: loss = -mean(A) = -(2 - 1 + 0.5) / 3; d loss / d logp = -A / 3
+    assert_close(loss, -0.5)
+    assert_close(log_probs.grad, [[-2.0 / 3, 1.0 / 3, 0.0], [-0.5 / 3, 0.0, 0.0]])
+    assert metrics["actor/pg_clipfrac"] == 0.0
+    assert metrics["actor/ppo_kl"] == 0.0
+
+
+def test_policy_loss_rejects_clip_ratio_c_not_above_one():
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        compute_policy_loss(*PPO, clip_ratio_c=1.0)
+
+
+def test_vanilla_policy_loss_is_registered_and_unknown_names_list_the_known_ones():
+    assert get_policy_loss_fn("vanilla") is compute_policy_loss
+    with pytest.raises(ValueError, match="vanilla"):
+        get_policy_loss_fn("gspo")
+
+
+def test_a_registered_policy_loss_can_be_looked_up_by_name(monkeypatch):
+    monkeypatch.setattr(algos, "_POLICY_LOSSES", dict(algos._POLICY_LOSSES))
+
+    @register_policy_loss("halved")
+    def halved(old_log_probs, log_probs, advantages, response_mask, **kwargs):
+        loss, metrics = compute_policy_loss(old_log_probs, log_probs, advantages, response_mask, **kwargs)
+        return loss / 2, metrics
+
+    assert policy_losses() == ["halved", "vanilla"]
+    loss, _ = get_policy_loss_fn("halved")(*PPO)
+    assert_close(loss, 0.525 / 2)
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy_loss("halved")(halved)
+
+
+# =====================================================================================================
+# ---- entropy ----
+# =====================================================================================================
+
+
+def test_entropy_of_uniform_logits_is_log_vocab_size():
+    assert_close(entropy_from_logits(torch.zeros(2, 3, 4)), torch.full((2, 3), math.log(4)))
+
+
+def test_entropy_matches_hand_computed_two_token_distribution():
+    # logits (0, ln 3) -> probs (0.25, 0.75): -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.5623351
+    logits = t([[0.0, math.log(3.0)], [5.0, 5.0 + math.log(3.0)]])
+    assert_close(entropy_from_logits(logits), [0.5623351, 0.5623351])
+
+
+def test_entropy_is_stable_for_huge_logits():
+    assert_close(entropy_from_logits(t([[1000.0, 1000.0], [1000.0, -1000.0]])), [math.log(2), 0.0])
