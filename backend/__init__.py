@@ -1,0 +1,47 @@
+"""GRPO Workbench engine: the public Python API.
+
+    import backend
+
+    @backend.register_reward("arithmetic")
+    def score(data_source, solution_str, ground_truth, extra_info=None):
+        return 1.0 if solution_str.strip().endswith(ground_truth) else 0.0
+
+    config = backend.load_config("config.yaml", ["trainer.total_training_steps=10"])
+    trainer = backend.Trainer(config)
+    trainer.train()
+    print(trainer.evaluate())
+
+The CLI (`python -m backend`) and the workbench call these same objects. Names are resolved on first
+use, so `import backend` stays cheap (torch and transformers load only when a model is needed).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_PUBLIC = {
+    "load_config": "backend.config",     # YAML + dotted overrides -> validated Config
+    "Config": "backend.config",          # the config dataclass
+    "Trainer": "backend.trainer",        # one run: train(), evaluate(), generate(), export()
+    "register_reward": "backend.rewards",  # decorator: your scorer for a data_source
+    "generate": "backend.inference",     # answer prompts with any model
+    "evaluate": "backend.inference",     # greedy accuracy of any model on a parquet file
+    "ConfigError": "backend.config",
+    "DataError": "backend.data",
+    "RewardError": "backend.rewards",
+    "ModelError": "backend.models",
+}
+
+__all__ = sorted(_PUBLIC)
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'backend' has no attribute '{name}'")
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -34,6 +34,11 @@ def preflight(cfg: Config) -> list[str]:
                             f"model's context ({limit} positions for {model})")
     except (ModelError, OSError) as e:
         problems.append(f"actor_rollout_ref.model.path: {e}")
+    t = cfg.trainer
+    if t.resume_mode == "resume_path" and t.resume_from_path and \
+            not (Path(t.resume_from_path) / "trainer_state.json").is_file():
+        problems.append(f"trainer.resume_from_path={t.resume_from_path} is not a checkpoint folder "
+                        "(no trainer_state.json); checkpoints are runs/<id>/checkpoints/step_N")
     crf = cfg.custom_reward_function
     if crf.path:
         try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -62,75 +61,40 @@ class _Tee:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from backend.checks import check_or_raise
     from backend.config import load_config
-    from backend.runs import new_run_dir, read_status
 
     cfg = load_config(args.config, args.overrides)
-    run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(cfg.trainer.runs_root, cfg.trainer.experiment_name)
-    status = read_status(run_dir)
-    if status and cfg.trainer.resume_mode == "disable":
-        raise ConfigError([f"run directory {run_dir} already holds a run (state {status.get('state')}): continue "
-                           "it with trainer.resume_mode=auto, or pass another --run-dir"])
-    if status and status.get("state") == "running" and _alive(status.get("pid")) and status.get("pid") != os.getpid():
-        raise ConfigError([f"run directory {run_dir} is in use by a running process (pid {status['pid']})"])
     _quiet_transformers()
-    check_or_raise(cfg)
-
     from backend.trainer import RunStopped, Trainer
 
-    trainer = Trainer(cfg, run_dir, show_progress=not args.quiet)
+    trainer = Trainer(cfg, args.run_dir, show_progress=not args.quiet)
+    trainer.run.create()
     log = open(trainer.run.logs / "train.log", "a")  # noqa: SIM115 - lives as long as the run
     sys.stdout, sys.stderr = _Tee(sys.__stdout__, log), _Tee(sys.__stderr__, log)
-    print(f"run directory: {run_dir}")
+    print(f"run directory: {trainer.run.root}")
     try:
-        trainer.fit()
+        trainer.train()
     except RunStopped:
         print("run stopped; continue it with trainer.resume_mode=auto", file=sys.stderr)
         return 3
     finally:
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         log.close()
-    print(f"done: {run_dir}")
+    print(f"done: {trainer.run.root}")
     return 0
-
-
-def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
 
 
 # ---- generate / eval ----
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from backend.models import load_model, load_tokenizer, pick_device
-    from backend.rollout import HFGenerateEngine, SamplingParams
+    from backend.inference import generate
 
     _quiet_transformers()
-    torch.manual_seed(args.seed)
-    device = pick_device(args.device)
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, device)
-    engine = HFGenerateEngine(model, tokenizer)
-    messages = [{"role": "user", "content": args.prompt}]
-    if tokenizer.chat_template:
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    else:
-        prompt = args.prompt
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
-                            max_new_tokens=args.max_new_tokens, greedy=args.temperature == 0)
-    batch = engine.generate([ids], params)
-    for i, text in enumerate(tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)):
+    [answers] = generate(args.model, args.prompt, n=args.n, temperature=args.temperature, top_p=args.top_p,
+                         max_new_tokens=args.max_new_tokens, device=args.device, seed=args.seed)
+    for i, text in enumerate(answers):
         if args.n > 1:
-            print(f"--- sample {i + 1} ({batch.finish_reasons[i]})")
+            print(f"--- sample {i + 1}")
         print(text)
     return 0
 
@@ -138,24 +102,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from backend import data
-    from backend.evaluation import evaluate
-    from backend.models import load_model, load_tokenizer, pick_device
-    from backend.rollout import HFGenerateEngine
+    from backend.inference import evaluate
 
     _quiet_transformers()
-    device = pick_device(args.device)
-    tokenizer = load_tokenizer(args.model)
-    rows = data.load_rows(args.data)
-    if args.limit:
-        rows = rows[: args.limit]
-    dataset = data.PromptDataset(rows, tokenizer, args.max_prompt_length, truncation="left", source=args.data)
-    items = [dataset[i] for i in range(len(dataset))]
-    model = load_model(args.model, device)
-    engine = HFGenerateEngine(model, tokenizer, args.batch_size)
-    bar = tqdm(total=len(items), desc="eval", unit="prompt")
-    result = evaluate(engine, tokenizer, items, args.max_new_tokens, batch_size=args.batch_size,
-                      progress=lambda d, n: bar.update(d - bar.n))
+    bar = tqdm(desc="eval", unit="prompt")
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    result = evaluate(args.model, args.data, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                      batch_size=args.batch_size, device=args.device, progress=progress)
     bar.close()
     for key, value in result.metrics.items():
         print(f"{key}: {value:.4f}")
@@ -207,7 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", required=True)
     e.add_argument("--data", required=True)
     e.add_argument("--max-new-tokens", type=int, default=128)
-    e.add_argument("--max-prompt-length", type=int, default=512)
     e.add_argument("--batch-size", type=int, default=32)
     e.add_argument("--limit", type=int, default=0, help="first N rows only (0 = all)")
     e.add_argument("--output", default=None, help="write metrics and per-prompt records to this JSON file")

@@ -95,6 +95,7 @@ def register_reward(*data_sources: str) -> Callable[[Scorer], Scorer]:
             raise RewardError(f"register_reward: data_source names must be non-empty strings, got {name!r}")
 
     def decorate(fn: Scorer) -> Scorer:
+        _check_signature(fn, getattr(fn, "__name__", "?"), getattr(fn, "__module__", "?"))
         for name in data_sources:
             _REGISTRY[name] = fn
         return fn
@@ -163,18 +164,23 @@ def load_custom_reward(path: str, name: str) -> Scorer:
         raise RewardError(
             f"custom_reward_function.name='{name}' in {where} is a {type(fn).__name__}, not a function"
         )
+    _check_signature(fn, name, where)
+    return fn
+
+
+def _check_signature(fn: Callable, name: str, where: str) -> None:
+    """A scorer must accept verl's keyword call; say how to define it when it does not."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
-        return fn  # some builtins have no introspectable signature; the call itself will tell
+        return  # some builtins have no introspectable signature; the call itself will tell
     try:
         signature.bind(data_source="", solution_str="", ground_truth="", extra_info=None)
     except TypeError as exc:
         raise RewardError(
-            f"custom reward function '{name}{signature}' in {where} cannot be called as {_CALL_SHAPE} "
+            f"reward function '{name}{signature}' in {where} cannot be called as {_CALL_SHAPE} "
             f"({exc}); define it as def {name}(data_source, solution_str, ground_truth, extra_info=None)"
         ) from exc
-    return fn
 
 
 def _load_module(path: str) -> Any:

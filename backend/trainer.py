@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import shutil
 import signal
 import time
 import traceback
@@ -22,11 +24,13 @@ import torch
 from tqdm import tqdm
 
 from backend import algos, data, rewards
-from backend.config import Config, batch_plan, to_yaml
+from backend.checks import check_or_raise
+from backend.config import Config, ConfigError, batch_plan, to_yaml, validate_config
 from backend.evaluation import evaluate
+from backend.inference import Generator
 from backend.models import default_dtype, load_tokenizer, pick_device
 from backend.rollout import HFGenerateEngine, RolloutBatch, SamplingParams
-from backend.runs import RunDir, latest_checkpoint, read_status
+from backend.runs import RunDir, latest_checkpoint, new_run_dir, read_status
 from backend.workers import ActorWorker, RefWorker
 
 
@@ -54,14 +58,25 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 
 class Trainer:
-    """Owns the workers, the data and the run directory of one run."""
+    """One run: its workers, data and run directory. `train()` runs it; `evaluate`, `generate` and
+    `export` work before, during (between steps) or after training, on the current weights."""
 
-    def __init__(self, cfg: Config, run_dir: str | Path, *, show_progress: bool = True):
+    def __init__(self, cfg: Config, run_dir: str | Path | None = None, *, show_progress: bool = True):
+        validate_config(cfg)
+        check_or_raise(cfg)
+        run_dir = Path(run_dir) if run_dir else new_run_dir(cfg.trainer.runs_root, cfg.trainer.experiment_name)
+        status = read_status(run_dir)
+        if status and cfg.trainer.resume_mode == "disable":
+            raise ConfigError([f"run directory {run_dir} already holds a run (state {status.get('state')}): "
+                               "continue it with trainer.resume_mode=auto, or choose another run directory"])
+        if status and status.get("state") == "running" and _alive(status.get("pid")):
+            raise ConfigError([f"run directory {run_dir} is in use by a running process (pid {status['pid']})"])
         self.cfg = cfg
-        self.run = RunDir(run_dir).create()
+        self.run = RunDir(run_dir)
         self.show_progress = show_progress
         self._last_stage_write = 0.0
         self._step = 0
+        self._ready = False
 
     # ---- status ----
 
@@ -79,7 +94,11 @@ class Trainer:
     # ---- setup ----
 
     def setup(self) -> None:
+        """Load data, models and (with resume) the last checkpoint; done once, on first need."""
+        if self._ready:
+            return
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        self.run.create()
         self.run.config.write_text(to_yaml(cfg))
         self.device = pick_device(cfg.trainer.device)
         self.dtype = default_dtype(self.device)
@@ -110,6 +129,7 @@ class Trainer:
         if ckpt is not None:
             self.stage(f"resuming from {ckpt.name}", force=True)
             self._load(ckpt)
+        self._ready = True
 
     def _dataset(self, files: list[str]) -> data.PromptDataset:
         return data.PromptDataset(data.load_many(files), self.tokenizer, self.cfg.data.max_prompt_length,
@@ -131,8 +151,9 @@ class Trainer:
 
     # ---- the loop ----
 
-    def fit(self) -> dict[str, float]:
+    def train(self) -> dict[str, float]:
         """Train to total steps; returns the last step's metrics. Always leaves a final status."""
+        self.run.create()
         self.run.write_status("running", total_steps=None, step=0, started=time.time(), error=None)
         stop = _install_stop_handlers()
         try:
@@ -267,12 +288,34 @@ class Trainer:
     # ---- validation, checkpoints, export ----
 
     def validate(self) -> dict[str, float]:
+        """Greedy accuracy on the configured validation rows (data.val_files, data.val_max_samples)."""
         self.stage("validating", force=True)
         result = evaluate(self.rollout, self.tokenizer, self.val_items, self.cfg.data.max_response_length,
                           custom_fn=self.custom_fn, timeout_s=self.cfg.reward.timeout_s,
                           batch_size=self.cfg.data.val_batch_size,
                           progress=lambda d, n: self.stage(f"validating {d}/{n}"))
         return result.metrics
+
+    def evaluate(self, data_file: str | Path | None = None, *, limit: int = 0) -> dict[str, float]:
+        """Greedy accuracy of the current weights: on the validation set, or on any parquet file."""
+        self.setup()
+        if data_file is None:
+            return self.validate()
+        return self._generator().evaluate(
+            data_file, limit=limit, max_new_tokens=self.cfg.data.max_response_length,
+            max_prompt_length=self.cfg.data.max_prompt_length, batch_size=self.cfg.data.val_batch_size,
+            custom_fn=self.custom_fn, timeout_s=self.cfg.reward.timeout_s).metrics
+
+    def generate(self, prompts: str | list[str], *, n: int = 1, temperature: float = 0.0,
+                 max_new_tokens: int | None = None) -> list[list[str]]:
+        """Answers of the current weights to user prompts (chat template applied; temperature 0 = greedy)."""
+        self.setup()
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        return self._generator().generate(prompts, n=n, temperature=temperature,
+                                          max_new_tokens=max_new_tokens or self.cfg.data.max_response_length)
+
+    def _generator(self) -> Generator:
+        return Generator(self.actor.model, self.tokenizer, self.cfg.data.val_batch_size)
 
     def save(self, step: int) -> Path:
         self.stage(f"saving checkpoint step_{step}", force=True)
@@ -291,16 +334,15 @@ class Trainer:
         self.start_step = self._step = state["step"]
         self.run.truncate_metrics(self.start_step)
 
-    def export(self, folder: Path) -> Path:
+    def export(self, folder: str | Path | None = None) -> Path:
+        """The current weights as a plain Hugging Face folder (default: the run's export/)."""
+        self.setup()
+        folder = Path(folder) if folder else self.run.export
         tmp = folder.with_name(f".{folder.name}.tmp")
-        if tmp.exists():
-            import shutil
-            shutil.rmtree(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.actor.export(tmp, self.tokenizer)
-        if folder.exists():
-            import shutil
-            shutil.rmtree(folder)
+        shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
         return folder
 
@@ -386,6 +428,11 @@ def _install_stop_handlers():
     return lambda: signal.signal(signal.SIGTERM, previous)
 
 
-def run_state(run_dir: str | Path) -> str | None:
-    status = read_status(run_dir)
-    return status.get("state") if status else None
+def _alive(pid: int | None) -> bool:
+    if not pid or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True

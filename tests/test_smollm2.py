@@ -23,7 +23,7 @@ def test_two_steps_of_the_default_config_on_smollm2(tmp_path):
         "data.max_response_length=24", "data.val_max_samples=4", "trainer.device=cpu",
         f"data.train_files=[{REPO / 'sample_data/arithmetic_train.parquet'}]",
         f"data.val_files=[{REPO / 'sample_data/arithmetic_val.parquet'}]"])
-    Trainer(cfg, tmp_path / "run", show_progress=False).fit()
+    Trainer(cfg, tmp_path / "run", show_progress=False).train()
     assert read_status(tmp_path / "run")["state"] == "succeeded"
     lines = read_metrics(tmp_path / "run")
     assert len(lines) == 2

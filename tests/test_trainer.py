@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -11,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backend.config import load_config
+from backend.config import ConfigError, load_config
 from backend.runs import list_checkpoints, read_metrics, read_status
 from backend.trainer import Trainer
 
@@ -26,7 +27,7 @@ CORE_METRICS = [
 
 def train(run_dir: Path, sample_sets, **extra):
     cfg = load_config(None, tiny_overrides(sample_sets, **extra))
-    Trainer(cfg, run_dir, show_progress=False).fit()
+    Trainer(cfg, run_dir, show_progress=False).train()
     return cfg
 
 
@@ -139,11 +140,22 @@ def test_a_raising_reward_function_scores_zero_and_the_run_goes_on(tmp_path, sam
     assert "odd length" in next(m["reward/first_error"] for m in lines if m["reward/errors"])
 
 
-def test_a_run_that_fails_records_the_error_in_status(tmp_path, sample_sets):
+def test_a_bad_data_file_is_refused_before_the_run_directory_exists(tmp_path, sample_sets):
     bad = tmp_path / "broken.parquet"
     bad.write_text("not parquet")
     cfg = load_config(None, tiny_overrides(sample_sets, **{"data.train_files": f"[{bad}]"}))
-    with pytest.raises(Exception, match="not a parquet file"):
-        Trainer(cfg, tmp_path / "r", show_progress=False).fit()
+    with pytest.raises(ConfigError, match="is not a parquet file"):
+        Trainer(cfg, tmp_path / "r", show_progress=False)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_run_whose_data_vanishes_fails_with_the_error_in_status(tmp_path, sample_sets):
+    train_file = tmp_path / "train.parquet"
+    shutil.copy(sample_sets["train"], train_file)
+    cfg = load_config(None, tiny_overrides(sample_sets, **{"data.train_files": f"[{train_file}]"}))
+    trainer = Trainer(cfg, tmp_path / "r", show_progress=False)
+    train_file.unlink()
+    with pytest.raises(Exception, match="train.parquet"):
+        trainer.train()
     status = json.loads((tmp_path / "r/status.json").read_text())
-    assert status["state"] == "failed" and "not a parquet file" in status["error"]
+    assert status["state"] == "failed" and "train.parquet" in status["error"] and status["traceback"]
