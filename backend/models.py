@@ -9,6 +9,7 @@ Machines here reach no model hub, so two kinds of model are made locally and cac
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -150,9 +151,13 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device(requested)
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on a GPU; fp32 on CPU, where bf16 matmuls are slow and sampling noise would hide the signal."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def amp_context(device: torch.device):
+    """Mixed precision for forward passes: bf16 compute over fp32 weights on a GPU. The weights stay
+    fp32 because an update of lr ~1e-6 is below bf16's resolution for typical weights and would be
+    lost; on CPU everything runs in fp32."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def load_tokenizer(name_or_path: str, tokenizer_path: str = ""):
@@ -170,13 +175,14 @@ def load_tokenizer(name_or_path: str, tokenizer_path: str = ""):
     return tokenizer
 
 
-def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype | None = None):
-    """A causal LM on `device` in `dtype` (default: bf16 on GPU, fp32 on CPU)."""
+def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    """A causal LM on `device` in `dtype` (fp32 by default: the trainer computes in bf16 on GPUs
+    through `amp_context`, and plain generation on CPU wants fp32)."""
     from transformers import AutoModelForCausalLM
 
     source = resolve_model(name_or_path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or default_dtype(device))
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except OSError as e:
         raise ModelError(f"cannot load model '{name_or_path}' ({source}): {e}. Machines without network "
                          f"need a local folder or a shipped model ({', '.join(SHIPPED)})") from None

@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from backend.models import amp_context
+
 
 @dataclass
 class SamplingParams:
@@ -133,8 +135,9 @@ class HFGenerateEngine:
             mask = prompt_mask[start:start + self.batch_size].to(device)
             criteria = None if progress is None else self._progress_criteria(
                 progress, start, len(rows), params.max_new_tokens)
-            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                      stopping_criteria=criteria)
+            with amp_context(device):
+                out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                          stopping_criteria=criteria)
             chunks.extend(out[:, ids.shape[1]:].cpu())
         self.model.train(was_training)
         width = max(max(len(c) for c in chunks), 1)

@@ -28,7 +28,7 @@ from backend.checks import check_or_raise
 from backend.config import Config, ConfigError, batch_plan, to_yaml, validate_config
 from backend.evaluation import evaluate
 from backend.inference import Generator
-from backend.models import default_dtype, load_tokenizer, pick_device
+from backend.models import load_tokenizer, pick_device
 from backend.rollout import HFGenerateEngine, RolloutBatch, SamplingParams
 from backend.runs import RunDir, latest_checkpoint, new_run_dir, read_status
 from backend.workers import ActorWorker, RefWorker
@@ -101,7 +101,6 @@ class Trainer:
         self.run.create()
         self.run.config.write_text(to_yaml(cfg))
         self.device = pick_device(cfg.trainer.device)
-        self.dtype = default_dtype(self.device)
         self.stage("loading data", force=True)
         self.tokenizer = load_tokenizer(arr.model.path, arr.model.tokenizer_path)
         self.train_set = self._dataset(cfg.data.train_files)
@@ -117,9 +116,9 @@ class Trainer:
                                                         cfg.custom_reward_function.name)
         self.stage("loading models", force=True)
         seed_everything(cfg.trainer.seed)
-        self.actor = ActorWorker(cfg, self.device, self.total_steps, self.dtype)
+        self.actor = ActorWorker(cfg, self.device, self.total_steps)
         needs_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        self.ref = RefWorker(cfg, self.device, self.dtype) if needs_ref else None
+        self.ref = RefWorker(cfg, self.device) if needs_ref else None
         self.rollout = HFGenerateEngine(self.actor.model, self.tokenizer, arr.rollout.generation_batch_size)
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (algos.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive"

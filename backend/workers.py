@@ -15,7 +15,7 @@ import torch
 
 from backend import algos
 from backend.config import Config
-from backend.models import load_model
+from backend.models import amp_context, load_model
 
 Batch = dict[str, torch.Tensor]
 
@@ -64,8 +64,9 @@ def _lr_lambda(warmup: int, total: int, style: str, min_ratio: float):
 class RefWorker:
     """A frozen copy of the starting policy; its log-probs anchor the KL term."""
 
-    def __init__(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None):
-        self.model = load_model(cfg.actor_rollout_ref.model.path, device, dtype).eval().requires_grad_(False)
+    def __init__(self, cfg: Config, device: torch.device):
+        # Same weights and precision as the actor, so the KL is exactly 0 before the first update.
+        self.model = load_model(cfg.actor_rollout_ref.model.path, device).eval().requires_grad_(False)
         self.micro = cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
         self.temperature = cfg.actor_rollout_ref.rollout.temperature
         self.device = device
@@ -74,20 +75,21 @@ class RefWorker:
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
         """(B, R) log-probs of the responses under the reference model."""
         response_len = batch["responses"].shape[1]
-        parts = [response_log_probs(self.model, mb["input_ids"].to(self.device),
-                                    mb["attention_mask"].to(self.device), response_len, self.temperature)[0]
-                 for mb in _micro_batches(batch, self.micro)]
+        with amp_context(self.device):
+            parts = [response_log_probs(self.model, mb["input_ids"].to(self.device),
+                                        mb["attention_mask"].to(self.device), response_len, self.temperature)[0]
+                     for mb in _micro_batches(batch, self.micro)]
         return torch.cat(parts).cpu()
 
 
 class ActorWorker:
     """The policy: computes log-probs, runs the PPO-clip update, saves and restores itself."""
 
-    def __init__(self, cfg: Config, device: torch.device, total_steps: int, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: Config, device: torch.device, total_steps: int):
         arr = cfg.actor_rollout_ref
         self.cfg = cfg
         self.device = device
-        self.model = load_model(arr.model.path, device, dtype)
+        self.model = load_model(arr.model.path, device)  # fp32 master weights; bf16 compute on GPU
         if arr.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
@@ -109,9 +111,10 @@ class ActorWorker:
         micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
         lps, ents = [], []
         for mb in _micro_batches(batch, micro):
-            lp, ent = response_log_probs(self.model, mb["input_ids"].to(self.device),
-                                         mb["attention_mask"].to(self.device), response_len, self.temperature,
-                                         with_entropy=True)
+            with amp_context(self.device):
+                lp, ent = response_log_probs(self.model, mb["input_ids"].to(self.device),
+                                             mb["attention_mask"].to(self.device), response_len,
+                                             self.temperature, with_entropy=True)
             lps.append(lp.cpu())
             ents.append(ent.cpu())
         self.model.train()
@@ -149,9 +152,10 @@ class ActorWorker:
                 for mb in _micro_batches(mini, micro_size):
                     mb = {k: v.to(self.device) for k, v in mb.items()}
                     mask = mb["response_mask"].float()
-                    log_probs, entropy = response_log_probs(
-                        self.model, mb["input_ids"], mb["attention_mask"], response_len, self.temperature,
-                        with_entropy=True, entropy_grad=a.entropy_coeff > 0)
+                    with amp_context(self.device):
+                        log_probs, entropy = response_log_probs(
+                            self.model, mb["input_ids"], mb["attention_mask"], response_len, self.temperature,
+                            with_entropy=True, entropy_grad=a.entropy_coeff > 0)
                     old = mb.get("old_log_probs", log_probs.detach())
                     pg_loss, pg_metrics = algos.compute_policy_loss(
                         old, log_probs, mb["advantages"], mask, clip_ratio_low=self.clip_low,

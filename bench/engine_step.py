@@ -1,0 +1,114 @@
+"""Time training steps of our engine for a config: median step and phase times, generation tokens/s,
+peak GPU memory. Prints a table and writes the numbers to bench/results/<date>-<device>.json.
+
+    python bench/engine_step.py configs/default.yaml --steps 4                      # CPU default config
+    python bench/engine_step.py configs/default.yaml --steps 4 \\
+        --random-model qwen3-0.6b --tokenizer ../shared/models/smollm2-tokenizer     # GPU, random Qwen3-0.6B
+
+The first step is a warm-up and is not counted. Runs go through `Trainer`, as the CLI's do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from backend.config import load_config  # noqa: E402
+from backend.runs import read_metrics  # noqa: E402
+from backend.trainer import Trainer  # noqa: E402
+
+PHASES = ["gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "step"]
+
+# Qwen3-0.6B's architecture (the performance issue's workload), with random weights.
+QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
+                 max_position_embeddings=40960)
+
+
+def build_random_model(name: str, tokenizer_dir: str, out: Path) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+    assert name == "qwen3-0.6b", name
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = Qwen3Config(**QWEN3_06B, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--random-model", default=None, help="qwen3-0.6b: build that architecture with random weights")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder for --random-model")
+    p.add_argument("--label", default="", help="name of this row in the results file")
+    p.add_argument("--out", default=None, help="results JSON (default bench/results/<date>-<device>.json)")
+    args = p.parse_intermixed_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-"))
+    overrides = list(args.overrides) + [f"trainer.total_training_steps={args.steps}", "trainer.save_freq=0",
+                                        "trainer.test_freq=0", "data.val_files=[]", "trainer.export_at_end=false",
+                                        "trainer.max_checkpoints_to_keep=1"]
+    if args.random_model:
+        model_dir = build_random_model(args.random_model, args.tokenizer, work / args.random_model)
+        overrides.append(f"actor_rollout_ref.model.path={model_dir}")
+    cfg = load_config(args.config, overrides)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = time.time()
+    Trainer(cfg, work / "run", show_progress=True).train()
+    wall = time.time() - start
+    steps = read_metrics(work / "run")[1:]  # the first step is the warm-up
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()}"
+    row: dict = {
+        "label": args.label or Path(args.config).stem,
+        "model": cfg.actor_rollout_ref.model.path if not args.random_model else f"{args.random_model} (random)",
+        "overrides": args.overrides, "device": device, "counted_steps": len(steps), "wall_s": round(wall, 1),
+        "torch": torch.__version__, "python": platform.python_version(),
+    }
+    for phase in PHASES:
+        values = [m.get(f"timing_s/{phase}", 0.0) for m in steps]
+        row[f"median_{phase}_s"] = round(statistics.median(values), 3) if values else None
+    gen_tokens = [m["response_length/mean"] * cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
+                  for m in steps]
+    row["gen_tokens_per_s"] = round(statistics.median(t / m["timing_s/gen"] for t, m in zip(gen_tokens, steps,
+                                                                                          strict=True)), 1)
+    row["step_times_s"] = [round(m["timing_s/step"], 2) for m in steps]
+    if torch.cuda.is_available():
+        row["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+
+    print()
+    print(f"| {'quantity':<24} | {'value':>14} |")
+    print(f"|{'-' * 26}|{'-' * 16}|")
+    for key, value in row.items():
+        if key not in ("overrides", "step_times_s"):
+            print(f"| {key:<24} | {value!s:>14} |")
+    print(f"step times (s): {row['step_times_s']}")
+
+    out = Path(args.out) if args.out else REPO / "bench/results" / (
+        f"{time.strftime('%Y-%m-%d')}-{'gpu' if torch.cuda.is_available() else 'cpu'}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = json.loads(out.read_text()) if out.exists() else []
+    rows.append(row)
+    out.write_text(json.dumps(rows, indent=1))
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()
