@@ -66,7 +66,8 @@ class Trainer:
         check_or_raise(cfg)
         run_dir = Path(run_dir) if run_dir else new_run_dir(cfg.trainer.runs_root, cfg.trainer.experiment_name)
         status = read_status(run_dir)
-        if status and cfg.trainer.resume_mode == "disable":
+        # A run directory the launcher prepared (state "queued") is this run's own; any other is taken.
+        if status and status.get("state") != "queued" and cfg.trainer.resume_mode == "disable":
             raise ConfigError([f"run directory {run_dir} already holds a run (state {status.get('state')}): "
                                "continue it with trainer.resume_mode=auto, or choose another run directory"])
         if status and status.get("state") == "running" and _alive(status.get("pid")):
