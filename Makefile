@@ -1,11 +1,13 @@
-# `make test`: set up a virtual environment and run every test. `make setup` only installs.
+# `make run`: set up and open the workbench. `make test`: set up and run every test (CI runs this).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# Browser tests drive Debian's Chromium (Playwright's own browser download cannot reach its host here).
+CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: setup test lint sample-data
+.PHONY: setup run test lint sample-data
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -15,11 +17,17 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+$(CHROMIUM):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+
+run: setup
+	$(PY) -m streamlit run app/main.py
+
 sample-data: setup
 	$(PY) -m backend data make-sample
 
 lint: setup
 	$(PY) -m ruff check .
 
-test: setup lint
+test: setup lint $(CHROMIUM)
 	$(PY) -m pytest -q

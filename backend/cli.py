@@ -63,7 +63,7 @@ class _Tee:
 def cmd_train(args: argparse.Namespace) -> int:
     from backend.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(None if args.config == "defaults" else args.config, args.overrides)
     _quiet_transformers()
     from backend.trainer import RunStopped, Trainer
 
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     gs.set_defaults(func=cmd_data_gsm8k)
 
     t = sub.add_parser("train", help="train from a YAML config plus key.path=value overrides")
-    t.add_argument("config")
+    t.add_argument("config", help="YAML config file, or `defaults` for the schema defaults (no file)")
     t.add_argument("overrides", nargs="*", help="e.g. actor_rollout_ref.rollout.n=8")
     t.add_argument("--run-dir", default=None, help="run directory (default: a new folder under trainer.runs_root)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
+import shlex
 import types
 import typing
 from dataclasses import dataclass, field
@@ -378,6 +380,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError([f"{path} is not valid YAML: {e}"]) from None
+    return _config_from_raw(raw, overrides, str(path or "config"), validate=validate)
+
+
+def _config_from_raw(raw: Any, overrides: list[str] | None, source: str, *, validate: bool) -> Config:
+    """load_config after the YAML is read: overrides on top of the raw dict, build, validate."""
     flat = _flatten(raw) if isinstance(raw, dict) else raw
     problems: list[str] = []
     if isinstance(flat, dict):
@@ -390,7 +397,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             flat[key] = value
     if problems:
         raise ConfigError(problems)
-    cfg, problems = _build(_nest(flat) if isinstance(flat, dict) else flat, str(path or "config"))
+    cfg, problems = _build(_nest(flat) if isinstance(flat, dict) else flat, source)
     if validate:
         try:
             validate_config(cfg)
@@ -498,3 +505,159 @@ def validate_config(cfg: Config) -> None:
                         "worker (distributed workers are not built yet)")
     if problems:
         raise ConfigError(problems)
+
+
+# ---- for the UI: YAML text in, config and messages out ----
+
+_DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+
+
+def problems_by_key(problems: list[str]) -> dict[str, list[str]]:
+    """Group ConfigError messages by the config key each one is about: the first dotted key of the schema
+    that the message names ("" when it names none), so a form can show a message next to its field."""
+    specs = field_specs()
+    out: dict[str, list[str]] = {}
+    for message in problems:
+        key = next((m.group(0) for m in _DOTTED.finditer(message) if m.group(0) in specs), "")
+        out.setdefault(key, []).append(message)
+    return out
+
+
+def _read_yaml_text(text: str, source: str) -> tuple[dict | None, list[str]]:
+    try:
+        raw = yaml.safe_load(text or "")
+    except yaml.YAMLError as e:
+        return None, [f"{source}: not valid YAML: {e}"]
+    if raw is None:
+        return {}, []
+    if not isinstance(raw, dict):
+        return None, [f"{source}: the top level must be a mapping of sections (data:, actor_rollout_ref:, ...), "
+                      f"got {type(raw).__name__}"]
+    return raw, []
+
+
+def config_from_yaml_text(text: str, overrides: list[str] | None = None,
+                          source: str = "config") -> tuple[Config | None, list[str]]:
+    """The config a YAML text (plus dotted overrides) describes, validated like load_config does.
+    Never raises: a text that does not parse and every validation problem come back as messages, and
+    the config is None whenever there is one."""
+    raw, problems = _read_yaml_text(text, source)
+    if raw is None:
+        return None, problems
+    try:
+        return _config_from_raw(raw, overrides, source, validate=True), []
+    except ConfigError as e:
+        return None, e.problems
+    except (TypeError, ValueError, AttributeError) as e:  # e.g. an override under a section set to null
+        return None, [f"{source}: cannot be read as a config: {e}"]
+
+
+def get_value(cfg: Config, key: str) -> Any:
+    """The value at a dotted key: `get_value(cfg, "actor_rollout_ref.rollout.n")`."""
+    return _get(cfg, key)
+
+
+def draft_config(text: str) -> Config | None:
+    """Best effort for a form: every key of the YAML text that has the right type set, the defaults
+    elsewhere, no validation. None when the text is not a YAML mapping."""
+    raw, _ = _read_yaml_text(text, "config")
+    if raw is None:
+        return None
+    return _build(raw, "config")[0]
+
+
+def yaml_value(value: Any) -> str:
+    """A value as it is written after `key=` on the command line (YAML flow style, one line)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**9).strip()
+    return text.removesuffix("...").strip()
+
+
+def set_yaml_value(text: str, key: str, value: Any) -> str:
+    """The YAML text with one dotted key set to `value`, other keys left as they are. Comments at the top
+    of the text are kept; comments elsewhere are lost (the text is written anew). Raises ConfigError when
+    the text is not a YAML mapping or the key is not in the schema."""
+    if key not in field_specs():
+        raise ConfigError([f"unknown key '{key}'{_closest(key, list(field_specs()))}"])
+    raw, problems = _read_yaml_text(text, "config")
+    if raw is None:
+        raise ConfigError(problems)
+    flat = _flatten(raw)
+    flat[key] = value
+    # `section:` left empty (null or {}) would block the keys now nested under it
+    flat = {k: v for k, v in flat.items()
+            if not (v in (None, {}) and any(other.startswith(k + ".") for other in flat))}
+    header = []
+    for line in (text or "").splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            break
+        header.append(line)
+    while header and not header[-1].strip():
+        header.pop()
+    body = dump_yaml(_nest(flat))
+    return "\n".join(header) + "\n" + body if header else body
+
+
+class _Dumper(yaml.SafeDumper):
+    """Lists of plain values on one line (`train_files: [a.parquet]`), as people write them by hand."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, data: list) -> yaml.Node:
+    flow = all(not isinstance(v, (list, dict)) for v in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+
+_Dumper.add_representer(list, _represent_list)
+
+
+def dump_yaml(raw: dict) -> str:
+    """A config dict as YAML the way configs/ files are written: keys in the given order, short lists
+    on one line, a blank line between top-level sections."""
+    lines = yaml.dump(raw, Dumper=_Dumper, sort_keys=False, width=10**9).splitlines()
+    out: list[str] = []
+    for line in lines:
+        if out and line[:1] not in ("", " ", "-"):
+            out.append("")
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def overrides_from_defaults(cfg: Config) -> list[str]:
+    """`key=value` for every field that differs from the schema defaults, in schema order:
+    `load_config(None, overrides_from_defaults(cfg)) == cfg`. Unquoted (one argv item each)."""
+    defaults = Config()
+    return [f"{key}={yaml_value(_get(cfg, key))}" for key in field_specs()
+            if _get(cfg, key) != _get(defaults, key)]
+
+
+def cli_command(config_path: str | Path = "config.yaml") -> str:
+    """The command line that trains a saved YAML config."""
+    return shlex.join(["python", "-m", "backend", "train", str(config_path)])
+
+
+def cli_overrides_command(cfg: Config) -> str:
+    """One line, no file needed: the schema defaults (the config path `defaults`) plus an override for
+    every field that differs from them."""
+    return shlex.join(["python", "-m", "backend", "train", "defaults", *overrides_from_defaults(cfg)])
+
+
+def derived_numbers(cfg: Config) -> dict[str, int | str]:
+    """What one training step does, from batch_plan. A count that does not come out whole is given as
+    text saying so (e.g. "1.5 (6 / 4 is not whole)"); validate_config has the message to fix it."""
+    plan = batch_plan(cfg)
+    a = cfg.actor_rollout_ref.actor
+
+    def ratio(num: int, den: int, whole: int, times: int = 1) -> int | str:
+        if den >= 1 and num % den == 0:
+            return whole
+        return f"{num / den * times:g} ({num} / {den} is not whole)" if den >= 1 else f"{num} / {den} is not defined"
+
+    micro = a.ppo_micro_batch_size_per_gpu * plan.world_size
+    return {
+        "prompts per step": plan.prompts_per_step,
+        "responses per step": plan.responses_per_step,
+        "responses per mini-batch": plan.responses_per_mini_batch,
+        "optimizer steps per training step": ratio(cfg.data.train_batch_size, a.ppo_mini_batch_size,
+                                                   plan.optimizer_steps_per_step, a.ppo_epochs),
+        "micro-batches per mini-batch per device": ratio(plan.responses_per_mini_batch, micro,
+                                                         plan.micro_batches_per_mini_batch),
+    }

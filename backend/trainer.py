@@ -194,7 +194,7 @@ class Trainer:
                 with timer("save_checkpoint", metrics):
                     self.save(step)
             self.run.append_metrics(metrics)
-            self.run.write_status("running", step=step, stage=f"finished step {step}")
+            self.run.write_status("running", step=step, stage=f"finished step {step}", stage_started=time.time())
             bar.update(1)
             bar.write(summary_line(metrics, self.total_steps))
         bar.close()

@@ -1,0 +1,12 @@
+"""The workbench's entry point: `streamlit run app/main.py` (what `make run` starts)."""
+
+import streamlit as st
+
+st.set_page_config(page_title="GRPO Workbench", layout="wide")
+
+navigation = st.navigation([
+    st.Page("../pages/config.py", title="Config", icon=":material/tune:", default=True),
+    st.Page("../pages/data.py", title="Data", icon=":material/table_view:"),
+    st.Page("../pages/runs.py", title="Runs", icon=":material/monitoring:"),
+])
+navigation.run()

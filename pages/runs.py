@@ -1,0 +1,225 @@
+"""Runs: launch the current config in the background, list runs, stop/resume/fork/delete them, and
+watch one (or several overlaid) live. Everything shown is read from run directories."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import plotly.graph_objects as go
+import streamlit as st
+
+from backend import launcher, workspace
+from backend.config import ConfigError, config_from_yaml_text
+from backend.presets import DEFAULT_PRESET, SESSION_KEY, preset_yaml_text
+
+REFRESH_S = 3
+STALL_AFTER_S = 120
+
+# Charts: title -> metric keys drawn as lines (the first key of "band" charts gets a min/max band).
+CHARTS = {
+    "Reward (score mean, min-max band)": ["critic/score/mean"],
+    "Reward parts": "reward/*/mean",
+    "Groups with zero reward spread": ["batch/zero_spread_groups"],
+    "KL loss": ["actor/kl_loss", "actor/reward_kl_penalty"],
+    "Policy loss": ["actor/pg_loss"],
+    "Entropy": ["actor/entropy"],
+    "Clip fraction": ["actor/pg_clipfrac", "actor/pg_clipfrac_lower"],
+    "Grad norm": ["actor/grad_norm"],
+    "Response length": ["response_length/mean", "response_length/max"],
+    "Response clip ratio": ["response_length/clip_ratio"],
+    "Validation accuracy": "val/*/accuracy",
+    "Time per phase (s)": "timing_s/*",
+    "Throughput (tokens/s)": ["perf/throughput"],
+}
+
+
+def current_config_text() -> str:
+    """The Config page's YAML (session state), else the default preset."""
+    return st.session_state.get(SESSION_KEY) or preset_yaml_text(DEFAULT_PRESET)
+
+
+def expand(pattern: str | list[str], metrics: list[dict]) -> list[str]:
+    if isinstance(pattern, list):
+        return pattern
+    prefix, suffix = pattern.split("*")
+    keys = {k for m in metrics for k in m if k.startswith(prefix) and k.endswith(suffix)}
+    return sorted(k for k in keys if isinstance(next((m[k] for m in metrics if k in m), None), (int, float)))
+
+
+def figure(title: str, pattern, runs: dict[str, list[dict]], smoothing: float) -> go.Figure | None:
+    fig = go.Figure()
+    drawn = False
+    for run_name, metrics in runs.items():
+        for key in expand(pattern, metrics):
+            points = [(m["step"], m[key]) for m in metrics if isinstance(m.get(key), (int, float))]
+            if not points:
+                continue
+            steps, values = zip(*points, strict=True)
+            label = key if len(runs) == 1 else f"{run_name}: {key}"
+            if key == "critic/score/mean":
+                lo = [m.get("critic/score/min") for m in metrics if isinstance(m.get(key), (int, float))]
+                hi = [m.get("critic/score/max") for m in metrics if isinstance(m.get(key), (int, float))]
+                fig.add_trace(go.Scatter(x=list(steps) + list(steps)[::-1], y=hi + lo[::-1], fill="toself",
+                                         line={"width": 0}, opacity=0.2, showlegend=False, hoverinfo="skip"))
+            fig.add_trace(go.Scatter(x=steps, y=launcher.smooth(list(values), smoothing), mode="lines+markers",
+                                     name=label))
+            drawn = True
+    if not drawn:
+        return None
+    fig.update_layout(title=title, height=280, margin={"l": 10, "r": 10, "t": 40, "b": 10},
+                      xaxis_title="step", legend={"orientation": "h", "y": -0.3})
+    return fig
+
+
+# ---- launch ----
+
+st.title("Runs")
+root = workspace.runs_root()
+
+with st.expander("Launch the current config", expanded=True):
+    cfg, problems = config_from_yaml_text(current_config_text())
+    name = st.text_input("Run name (optional)", key="launch_name",
+                         help="Letters, digits, '.', '_' and '-'; the run folder is runs/<date>-<name>.")
+    if problems:
+        st.error("The current config cannot start:\n\n" + "\n".join(f"- {p}" for p in problems))
+    if cfg is not None and cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes > 1:
+        st.info("Multi-worker and Ray-cluster runs are not built yet; this launches one local process.")
+    if st.button("Launch", key="launch_button", type="primary", disabled=cfg is None):
+        try:
+            run_dir = launcher.launch(cfg, name=name.strip(), runs_root=root)
+            st.session_state["runs_selected"] = run_dir.name
+            st.success(f"Launched {run_dir.name}")
+        except (ConfigError, ValueError) as e:
+            st.error(str(e))
+
+# ---- the table ----
+
+runs = launcher.list_runs(root)
+if not runs:
+    st.info(f"No runs yet in {root}. Launch one above.")
+    st.stop()
+
+
+@st.fragment(run_every=REFRESH_S)
+def runs_table(states_drawn: dict[str, str]) -> None:
+    current = launcher.list_runs(root)
+    # The action buttons below were drawn for the states of the last full run of the page; when a
+    # run changes state (finishes, fails), redraw everything so they match.
+    if {r.name: r.state for r in current} != states_drawn:
+        st.rerun()
+    st.dataframe(
+        [{"name": r.name, "state": r.state, "step": f"{r.step}/{r.total_steps or '?'}",
+          "reward": None if r.score is None else round(r.score, 3),
+          "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started)) if r.started else "",
+          "duration": f"{r.duration_s:.0f} s" if r.duration_s else ""} for r in current],
+        hide_index=True, width="stretch")
+
+
+runs_table({r.name: r.state for r in runs})
+
+names = [r.name for r in runs]
+if st.session_state.get("runs_selected") not in names:
+    st.session_state["runs_selected"] = names[0]
+selected_name = st.selectbox("Open run", names, key="runs_selected")
+selected = next(r for r in runs if r.name == selected_name)
+run_dir = Path(selected.path)
+
+# ---- actions ----
+
+c1, c2, c3, c4 = st.columns(4)
+with c1:
+    if st.button("Stop", key="run_stop", disabled=selected.state not in ("queued", "running")):
+        st.info(f"{selected.name}: {launcher.stop(run_dir)}")
+with c2:
+    total = st.number_input("Train to step", min_value=1, value=max(selected.total_steps or 1, 1),
+                            key="resume_total_steps", help="Resume continues from the last checkpoint up to this step.")
+    if st.button("Resume", key="run_resume", disabled=selected.state in ("queued", "running")
+                 or not selected.checkpoints):
+        try:
+            launcher.resume(run_dir, overrides=[f"trainer.total_training_steps={int(total)}"])
+            st.success(f"Resumed {selected.name}")
+        except (ConfigError, ValueError) as e:
+            st.error(str(e))
+with c3:
+    confirm = st.checkbox("Really delete", key="run_delete_confirm")
+    if st.button("Delete", key="run_delete", disabled=not confirm):
+        try:
+            launcher.delete(run_dir, root)
+            st.session_state.pop("runs_selected", None)
+            st.rerun()
+        except ValueError as e:
+            st.error(str(e))
+with c4, st.popover("Fork", disabled=not selected.checkpoints):
+    st.caption("A new run that starts from a checkpoint of this one, with the config below.")
+    ckpt = st.selectbox("Checkpoint", selected.checkpoints or ["(none)"], key="fork_checkpoint")
+    run_yaml = (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").exists() else ""
+    fork_yaml = st.text_area("Config of the fork", run_yaml, height=240, key="fork_yaml")
+    fork_name = st.text_input("Name of the fork", f"{selected.name[-40:]}-fork".lstrip("-"), key="fork_name")
+    if st.button("Start fork", key="fork_button"):
+        fork_cfg, fork_problems = config_from_yaml_text(fork_yaml)
+        if fork_cfg is None:
+            st.error("\n".join(fork_problems))
+        else:
+            try:
+                new = launcher.fork(run_dir, run_dir / "checkpoints" / ckpt, fork_cfg, name=fork_name.strip())
+                st.success(f"Forked into {new.name}")
+            except (ConfigError, ValueError) as e:
+                st.error(str(e))
+
+# ---- live view ----
+
+others = st.multiselect("Overlay other runs", [n for n in names if n != selected_name], key="runs_overlay")
+smoothing = st.slider("Smoothing", 0.0, 0.95, 0.0, 0.05, key="runs_smoothing")
+
+
+@st.fragment(run_every=REFRESH_S)
+def live_view() -> None:
+    if not run_dir.exists():
+        st.warning(f"{run_dir.name} was deleted.")
+        return
+    info = launcher.read_run(run_dir)
+    status = info.get("status") or {}
+    state = status.get("state", "unknown")
+    if state in ("queued", "running"):
+        stage, elapsed, stalled = launcher.stage_info(status, time.time(), STALL_AFTER_S)
+        st.markdown(f"**{state}** · step {status.get('step', 0)}/{status.get('total_steps') or '?'} · "
+                    f"{stage} · {elapsed:.0f} s")
+        if stalled:
+            st.warning(f"No progress reported for more than {STALL_AFTER_S} s: the run may be stuck in "
+                       f"'{stage}'. Check the log below.")
+    else:
+        st.markdown(f"**{state}** · step {status.get('step', 0)}/{status.get('total_steps') or '?'}")
+    if status.get("error"):
+        st.error(status["error"])
+        if status.get("traceback"):
+            st.code(status["traceback"], language="text")
+
+    series = {run_dir.name: info["metrics"]}
+    for other in others:
+        if (root / other).exists():
+            series[other] = launcher.read_run(root / other)["metrics"]
+    if not any(series.values()):
+        st.caption("No metrics yet: the first step is still running.")
+    else:
+        columns = st.columns(2)
+        drawn = 0
+        for title, pattern in CHARTS.items():
+            fig = figure(title, pattern, series, smoothing)
+            if fig is not None:
+                columns[drawn % 2].plotly_chart(fig, key=f"chart_{title}", width="stretch")
+                drawn += 1
+    if others:
+        configs = {name: (launcher.read_run(root / name).get("config") or {}) for name in series}
+        diff = launcher.config_diff(configs)
+        st.subheader("Config keys that differ")
+        if diff:
+            st.dataframe([{"key": k, **{n: str(v) for n, v in vals.items()}} for k, vals in diff.items()],
+                         hide_index=True)
+        else:
+            st.caption("The configs are the same.")
+    with st.expander("Log", expanded=state == "failed"):
+        st.code(launcher.log_tail(run_dir, 80) or "(empty)", language="text")
+
+
+live_view()

@@ -1,0 +1,221 @@
+"""The real workbench in headless Chromium: `streamlit run app/main.py` on a free localhost port, in a
+fresh workspace folder, driven by Playwright against Debian's /usr/bin/chromium. Screenshots of each
+page land in docs/screenshots/."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from backend import launcher
+
+from .conftest import REPO
+
+CHROMIUM = "/usr/bin/chromium"
+SHOTS = REPO / "docs" / "screenshots"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"]
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed "
+                                "(make test installs it with apt-get)")
+
+TINY_YAML = """\
+data:
+  train_files: [sample_data/arithmetic_train.parquet]
+  val_files: [sample_data/arithmetic_val.parquet]
+  train_batch_size: 2
+  val_max_samples: 4
+  max_prompt_length: 128
+  max_response_length: 8
+actor_rollout_ref:
+  model:
+    path: tiny-qwen3
+  actor:
+    optim:
+      lr: 0.001
+    ppo_mini_batch_size: 2
+    ppo_micro_batch_size_per_gpu: 4
+  rollout:
+    n: 4
+trainer:
+  total_training_steps: {steps}
+  save_freq: 2
+  test_freq: 0
+  device: cpu
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("workspace")
+    for folder in ("sample_data", "configs", ".streamlit"):
+        shutil.copytree(REPO / folder, root / folder, ignore=shutil.ignore_patterns("saved"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def app_url(workspace):
+    port = free_port()
+    env = {**os.environ, "GRPO_WB_HOME": str(workspace)}
+    log = open(workspace / "streamlit.log", "w")  # noqa: SIM115 - closed at teardown
+    server = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", str(REPO / "app/main.py"), "--server.port", str(port),
+         "--server.headless", "true", "--server.address", "127.0.0.1"],
+        cwd=workspace, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        server.kill()
+        pytest.fail("streamlit did not start:\n" + (workspace / "streamlit.log").read_text())
+    yield url
+    for run in launcher.list_runs(workspace / "runs"):
+        if run.state in ("queued", "running"):
+            launcher.stop(Path(run.path), grace_s=5)
+    server.terminate()
+    server.wait(timeout=20)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, app_url):
+    context = browser.new_context(viewport={"width": 1400, "height": 2200})
+    pg = context.new_page()
+    pg.set_default_timeout(60_000)
+    pg.goto(app_url)
+    pg.wait_for_selector("[data-testid='stSidebarNav']")
+    yield pg
+    context.close()
+
+
+def key(name: str) -> str:
+    """Streamlit gives every widget with key=K a container with class st-key-K."""
+    return f".st-key-{name}"
+
+
+def settle(page) -> None:
+    """Wait until Streamlit has finished the current script run."""
+    page.wait_for_timeout(300)
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')",
+                           timeout=60_000)
+
+
+def go(page, title: str) -> None:
+    page.locator("[data-testid='stSidebarNav'] a", has_text=title).first.click()
+    settle(page)
+
+
+def set_text(page, widget_key: str, text: str) -> None:
+    box = page.locator(f"{key(widget_key)} textarea, {key(widget_key)} input").first
+    box.fill(text)
+    # A text area commits on Ctrl+Enter, a text input on Enter.
+    box.press("Control+Enter" if box.evaluate("e => e.tagName") == "TEXTAREA" else "Enter")
+    settle(page)
+
+
+def shot(page, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.locator("h1").first.scroll_into_view_if_needed()
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def test_config_page_shows_the_engines_validation_next_to_an_edited_field(page):
+    field = page.locator(f"{key('cfg_actor_rollout_ref__actor__ppo_mini_batch_size')} input")
+    field.fill("3")
+    field.press("Enter")
+    settle(page)
+    page.get_by_text("is not divisible by actor_rollout_ref.actor.ppo_mini_batch_size=3").first.wait_for()
+    page.locator("h1").first.scroll_into_view_if_needed()
+    shot(page, "config")
+    field.fill("4")
+    field.press("Enter")
+    settle(page)
+    assert page.get_by_text("is not divisible by").count() == 0
+
+
+def test_data_page_previews_a_parquet_file_and_runs_a_query(page):
+    go(page, "Data")
+    page.get_by_text("2000").first.wait_for()
+    set_text(page, "sql_input", "SELECT count(*) AS n FROM data WHERE data_source = 'arithmetic'")
+    page.locator(f"{key('sql_run')} button").click()
+    settle(page)
+    page.get_by_text("2000").first.wait_for()
+    set_text(page, "sql_input", "COPY data TO '/tmp/stolen.csv'")
+    page.locator(f"{key('sql_run')} button").click()
+    settle(page)
+    assert not Path("/tmp/stolen.csv").exists()
+    shot(page, "data")
+
+
+def chart_points(page) -> int:
+    return page.locator(".js-plotly-plot").first.locator(".scatterlayer .points path").count()
+
+
+def test_launch_watch_stop_and_fork_a_tiny_run(page, workspace):
+    set_text(page, "config_yaml", TINY_YAML.format(steps=300))
+    page.locator(f"{key('config_apply_yaml')} button").click()
+    settle(page)
+    go(page, "Runs")
+    set_text(page, "launch_name", "browser")
+    page.locator(f"{key('launch_button')} button").click()
+    settle(page)
+    page.get_by_text("Launched").first.wait_for()
+
+    # the live chart gains points while the run goes on, without reloading the page
+    deadline = time.time() + 180
+    first = 0
+    while time.time() < deadline and (first := chart_points(page)) < 2:
+        page.wait_for_timeout(1000)
+    assert first >= 2, "no chart points appeared"
+    deadline = time.time() + 60
+    while time.time() < deadline and chart_points(page) <= first:
+        page.wait_for_timeout(1000)
+    assert chart_points(page) > first
+    shot(page, "runs")
+
+    page.locator(f"{key('run_stop')} button").click()
+    settle(page)
+    [run] = launcher.list_runs(workspace / "runs")
+    assert run.state == "stopped" and run.checkpoints
+
+    page.get_by_role("button", name="Fork").click()
+    page.locator(f"{key('fork_button')} button").click()
+    settle(page)
+    page.get_by_text("Forked into").first.wait_for()
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        forks = [r for r in launcher.list_runs(workspace / "runs") if r.name != run.name]
+        if forks and forks[0].step > run.step:
+            break
+        time.sleep(1)
+    assert forks and forks[0].step > int(run.checkpoints[-1].split("_")[1])
+    launcher.stop(Path(forks[0].path), grace_s=5)

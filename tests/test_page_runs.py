@@ -1,0 +1,71 @@
+"""The Runs page's logic, through Streamlit's AppTest: it reads run directories and never crashes."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from backend.config import load_config, to_yaml
+from backend.trainer import Trainer
+
+from .conftest import REPO, tiny_overrides
+
+PAGE = str(REPO / "pages/runs.py")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("GRPO_WB_HOME", str(tmp_path))
+    return tmp_path
+
+
+def page(home: Path) -> AppTest:
+    at = AppTest.from_file(PAGE, default_timeout=60)
+    return at
+
+
+def test_with_no_runs_the_page_says_so_and_offers_launch(home):
+    at = page(home).run()
+    assert not at.exception
+    assert any("No runs yet" in i.value for i in at.info)
+    assert at.button(key="launch_button")
+
+
+def test_a_finished_run_is_listed_and_its_charts_drawn(home, sample_sets):
+    cfg = load_config(None, tiny_overrides(sample_sets))
+    Trainer(cfg, home / "runs" / "20260101-000000-done", show_progress=False).train()
+    at = page(home).run()
+    assert not at.exception
+    assert at.selectbox(key="runs_selected").value == "20260101-000000-done"
+    assert any("succeeded" in m.value for m in at.markdown)
+    assert len(at.get("plotly_chart")) >= 8
+
+
+def test_an_invalid_config_in_the_session_cannot_be_launched(home):
+    at = page(home)
+    at.session_state["config_yaml_text"] = "data:\n  train_batch_size: 0\n"
+    at.run()
+    assert not at.exception
+    assert any("data.train_batch_size=0 must be >= 1" in e.value for e in at.error)
+    assert at.button(key="launch_button").disabled
+
+
+def test_a_failed_run_shows_its_error_and_a_deleted_run_is_reported(home, sample_sets):
+    run_dir = home / "runs" / "20260101-000000-broken"
+    train_file = home / "train.parquet"
+    shutil.copy(sample_sets["train"], train_file)
+    cfg = load_config(None, tiny_overrides(sample_sets, **{"data.train_files": f"[{train_file}]"}))
+    trainer = Trainer(cfg, run_dir, show_progress=False)
+    train_file.unlink()
+    with pytest.raises(Exception, match="train.parquet"):
+        trainer.train()
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    at = page(home).run()
+    assert not at.exception
+    assert any("train.parquet" in e.value for e in at.error)
+    shutil.rmtree(run_dir)
+    at.run()
+    assert not at.exception
