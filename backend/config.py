@@ -178,6 +178,7 @@ class TrainerConfig:
     resume_from_path: str = _f("", "Checkpoint folder to start from when resume_mode=resume_path.")
     max_checkpoints_to_keep: int = _f(2, "Keep the newest N checkpoints (0 = all).", min=0)
     export_at_end: bool = _f(True, "Write export/ (a plain Hugging Face folder) when training ends.")
+    stall_warning_s: float = _f(300.0, "The dashboard warns when a run reports no progress for this long.", gt=0)
     rollout_log_max: int = _f(512, "Responses per step written to rollouts/ (0 = none).", min=0)
     logger: list[str] = _f(["console", "jsonl"], "Where metrics go.")
     runs_root: str = _f("runs", "Folder that holds run directories.")

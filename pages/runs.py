@@ -14,7 +14,6 @@ from backend.config import ConfigError, config_from_yaml_text
 from backend.presets import DEFAULT_PRESET, SESSION_KEY, preset_yaml_text
 
 REFRESH_S = 3
-STALL_AFTER_S = 120
 
 # Charts: title -> metric keys drawn as lines (the first key of "band" charts gets a min/max band).
 CHARTS = {
@@ -131,9 +130,11 @@ c1, c2, c3, c4 = st.columns(4)
 with c1:
     if st.button("Stop", key="run_stop", disabled=selected.state not in ("queued", "running")):
         st.info(f"{selected.name}: {launcher.stop(run_dir)}")
+run_config = launcher.read_run(run_dir).get("config") or {}
+planned = (run_config.get("trainer") or {}).get("total_training_steps") or selected.total_steps or 1
 with c2:
-    total = st.number_input("Train to step", min_value=1, value=max(selected.total_steps or 1, 1),
-                            key="resume_total_steps", help="Resume continues from the last checkpoint up to this step.")
+    total = st.number_input("Train to step", min_value=1, value=int(planned), key=f"resume_total_steps_{selected.name}",
+                            help="Resume continues from the last checkpoint up to this step.")
     if st.button("Resume", key="run_resume", disabled=selected.state in ("queued", "running")
                  or not selected.checkpoints):
         try:
@@ -182,12 +183,13 @@ def live_view() -> None:
     status = info.get("status") or {}
     state = status.get("state", "unknown")
     if state in ("queued", "running"):
-        stage, elapsed, stalled = launcher.stage_info(status, time.time(), STALL_AFTER_S)
+        stall_after = ((info.get("config") or {}).get("trainer") or {}).get("stall_warning_s", 300.0)
+        stage, elapsed, stalled = launcher.stage_info(status, time.time(), stall_after)
         st.markdown(f"**{state}** · step {status.get('step', 0)}/{status.get('total_steps') or '?'} · "
                     f"{stage} · {elapsed:.0f} s")
         if stalled:
-            st.warning(f"No progress reported for more than {STALL_AFTER_S} s: the run may be stuck in "
-                       f"'{stage}'. Check the log below.")
+            st.warning(f"No progress reported for more than {stall_after:.0f} s (trainer.stall_warning_s): the run "
+                       f"may be stuck in '{stage}'. Check the log below.")
     else:
         st.markdown(f"**{state}** · step {status.get('step', 0)}/{status.get('total_steps') or '?'}")
     if status.get("error"):

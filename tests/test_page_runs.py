@@ -69,3 +69,21 @@ def test_a_failed_run_shows_its_error_and_a_deleted_run_is_reported(home, sample
     shutil.rmtree(run_dir)
     at.run()
     assert not at.exception
+
+
+def test_a_run_that_reports_nothing_for_too_long_gets_a_stall_warning(home):
+    import json
+    import os
+    import time
+
+    run_dir = home / "runs" / "20260101-000000-stuck"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("trainer:\n  stall_warning_s: 30\n")
+    old = time.time() - 600
+    # this test process stands in for a live trainer (its pid is alive) that stopped reporting
+    (run_dir / "status.json").write_text(json.dumps({
+        "state": "running", "pid": os.getpid(), "host": os.uname().nodename, "step": 3, "total_steps": 10,
+        "stage": "generating token 5/64 of 16 responses", "stage_started": old, "heartbeat": old}))
+    at = page(home).run()
+    assert not at.exception
+    assert any("No progress reported for more than 30 s" in w.value for w in at.warning)

@@ -1,0 +1,413 @@
+"""Data: look at a parquet file before training on it.
+
+Pick a file (sample_data/ and uploads/, a typed path, or an upload) and see its schema, first rows with
+chat prompts readable, prompt token lengths against data.max_prompt_length, data sources, ground
+truths, a read-only SQL box over the view `data`, a reward playground, and the problems the engine
+would reject the file for. The page draws what `backend.preview` answers; every error is shown where
+it happened and the rest of the page still renders.
+
+Runs inside the workbench (app/main.py, st.navigation) or on its own: `streamlit run pages/data.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import plotly.graph_objects as go
+import streamlit as st
+
+from backend import preview, rewards, workspace
+from backend.models import SHIPPED, SMOLLM2, load_tokenizer
+
+UPLOAD_LIMIT_MB = 200
+DEFAULT_SQL = "SELECT data_source, count(*) FROM data GROUP BY 1"
+HEAD_ROWS = 20
+REFERENCE_ROWS = 50
+PROMPT_SAMPLE = 2000
+# Checking every row loads the whole file into Python, as the trainer does: automatic up to this size.
+AUTO_CHECK_ROWS = 50_000
+TYPE_YOUR_OWN = "(type your own)"
+
+
+def _standalone() -> bool:
+    """True when this file is the app's entry point (streamlit run / AppTest), not a page of app/main.py."""
+    try:
+        from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+        ctx = get_script_run_ctx()
+        return ctx is not None and Path(ctx.main_script_path).resolve() == Path(__file__).resolve()
+    except Exception:  # an internal API: when in doubt, behave as a page and leave the config alone
+        return False
+
+
+# ---- cached backend answers (keyed by path and file stamp, so an edited file is read again) ----
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_mtime_ns, stat.st_size
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def _summary(path: str, stamp: tuple[int, int]) -> dict[str, Any]:
+    with preview.open_parquet(path) as pv:
+        return {
+            "schema": pv.schema(),
+            "rows": pv.row_count(),
+            "head": pv.head(max(HEAD_ROWS, REFERENCE_ROWS)),
+            "sources": pv.data_source_counts(),
+            "has_data_source": pv.has_column("data_source"),
+            "presence": pv.ground_truth_presence(),
+            "prompts": pv.prompt_texts(PROMPT_SAMPLE),
+        }
+
+
+@st.cache_resource(show_spinner=False, max_entries=4)
+def _tokenizer(model: str):
+    return load_tokenizer(model)
+
+
+def _checked_model(model: str) -> str:
+    """A shipped name or Hub id as is; anything that looks like a local path must be inside the workspace."""
+    model = model.strip()
+    if not model:
+        raise workspace.PathError("no model name given")
+    if model in SHIPPED:
+        return model
+    if model.startswith((".", "/", "~")) or Path(model).exists():
+        return str(workspace.safe_path(model))
+    return model
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def _lengths(path: str, stamp: tuple[int, int], model: str, max_len: int) -> dict[str, Any]:
+    prompts = _summary(path, stamp)["prompts"]
+    return preview.token_length_histogram(prompts, _tokenizer(model), max_len)
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def _problems(path: str, stamp: tuple[int, int], model: str | None, max_len: int) -> list[str]:
+    tokenizer = _tokenizer(model) if model else None
+    return preview.file_problems(path, max_len if tokenizer is not None else None, tokenizer)
+
+
+# ---- picking a file ----
+
+
+def _listed_files() -> list[str]:
+    root = workspace.workspace_root()
+    found = []
+    for folder in (root / "sample_data", workspace.uploads_dir()):
+        if folder.is_dir():
+            found += sorted(str(p.relative_to(root)) for p in folder.glob("*.parquet") if p.is_file())
+    return found
+
+
+def _upload_name(name: str) -> str:
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(name).stem).strip("._-") or "upload"
+    return workspace.check_name(f"{stem[:56]}.parquet", "upload name")
+
+
+def _save_upload(upload) -> Path:
+    saved = st.session_state.setdefault("_data_uploads", {})
+    if upload.file_id in saved and Path(saved[upload.file_id]).is_file():
+        return Path(saved[upload.file_id])
+    if upload.size > UPLOAD_LIMIT_MB * 1024 * 1024:
+        raise workspace.PathError(f"{upload.name} is {upload.size / 1e6:.0f} MB; uploads are limited to "
+                                  f"{UPLOAD_LIMIT_MB} MB (put larger files in the workspace and type their path)")
+    target = workspace.uploads_dir() / _upload_name(upload.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.part{os.getpid()}")
+    try:
+        tmp.write_bytes(upload.getvalue())
+        preview.open_parquet(tmp).close()  # refuse a file that is not parquet before it is kept
+        os.replace(tmp, target)
+    except preview.PreviewError:
+        raise preview.PreviewError(f"{upload.name} is not a readable parquet file; it was not saved") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    saved[upload.file_id] = str(target)
+    return target
+
+
+def _pick_file() -> Path | None:
+    files = _listed_files()
+    left, right = st.columns(2)
+    choice = left.selectbox("File in sample_data/ or uploads/", files, index=0 if files else None,
+                            key="data_file_select", placeholder="no parquet files in sample_data/ or uploads/")
+    typed = right.text_input("...or a path to a parquet file", key="data_path_input",
+                             placeholder="data/train.parquet",
+                             help="Relative to the workspace folder, or absolute inside an allowed folder "
+                                  "(GRPO_WB_ROOTS).")
+    upload = st.file_uploader(f"...or upload a parquet file (at most {UPLOAD_LIMIT_MB} MB; kept in uploads/)",
+                              type=["parquet"], key="data_upload", max_upload_size=UPLOAD_LIMIT_MB)
+    st.caption("An upload wins over a typed path, and a typed path over the list.")
+    try:
+        if upload is not None:
+            return _save_upload(upload)
+        if typed and typed.strip():
+            return workspace.safe_path(typed, suffixes=(".parquet",))
+        if choice:
+            return workspace.safe_path(choice, suffixes=(".parquet",))
+    except (workspace.PathError, preview.PreviewError, OSError) as e:
+        st.error(str(e))
+        return None
+    st.info("Pick a parquet file to look at.")
+    return None
+
+
+# ---- sections ----
+
+
+def _overview(summary: dict[str, Any]) -> None:
+    presence = summary["presence"]
+    cols = st.columns(4)
+    cols[0].metric("Rows", f"{summary['rows']:,}")
+    cols[1].metric("Columns", len(summary["schema"]))
+    cols[2].metric("Data sources", len(summary["sources"]) if summary["has_data_source"] else "no column")
+    cols[3].metric("With ground truth", f"{presence['with_ground_truth']:,}")
+    st.subheader("Schema")
+    st.dataframe({"column": [c for c, _ in summary["schema"]], "type": [t for _, t in summary["schema"]]},
+                 hide_index=True)
+
+
+def _first_rows(summary: dict[str, Any]) -> None:
+    st.subheader("First rows")
+    head = summary["head"][:HEAD_ROWS]
+    if not head:
+        st.info("The file has no rows.")
+        return
+    columns = list(head[0])
+    shown = [{c: (preview.render_prompt(v) if c == "prompt" else v) for c, v in row.items()} for row in head]
+    table = preview.display_columns(columns, [[r[c] for c in columns] for r in shown])
+    st.dataframe({"row": list(range(len(head))), **table}, hide_index=True)
+    for i, row in enumerate(head[:5]):
+        ref = preview.reference_answer(row)
+        label = f"Row {i}" + (f" · {row['data_source']}" if row.get("data_source") else "")
+        label += f" · ground truth {ref[1]}" if ref else " · no ground truth"
+        with st.expander(label):
+            if "prompt" in row:
+                st.text(preview.render_prompt(row["prompt"]))
+            st.json(json.dumps(row, default=str, ensure_ascii=False), expanded=False)
+
+
+def _token_lengths(path: Path, stamp: tuple[int, int], summary: dict[str, Any]) -> None:
+    st.subheader("Prompt token lengths")
+    st.session_state["_data_tokenizer_ok"] = None  # set again below once the tokenizer has worked
+    if not summary["prompts"]:
+        st.info("No prompt column: nothing to measure.")
+        return
+    left, right = st.columns(2)
+    max_len = int(left.number_input("data.max_prompt_length", min_value=1, step=32, key="data_max_prompt_length"))
+    model = right.text_input("Tokenizer of model", key="data_model_name",
+                             help=f"A shipped model ({', '.join(SHIPPED)}), a model folder, or a Hub id.")
+    try:
+        checked = _checked_model(model)
+        with st.spinner(f"Tokenizing {len(summary['prompts']):,} prompts with {checked}'s tokenizer..."):
+            hist = _lengths(str(path), stamp, checked, max_len)
+    except Exception as e:  # any tokenizer failure: skip the histogram, keep the page
+        st.warning(f"Token lengths skipped: the tokenizer of '{model}' could not be loaded or used "
+                   f"({type(e).__name__}: {e})")
+        return
+    st.session_state["_data_tokenizer_ok"] = checked
+    fig = go.Figure(go.Histogram(x=hist["lengths"], nbinsx=50, name="prompts"))
+    fig.add_vline(x=max_len, line_dash="dash", line_color="red",
+                  annotation_text=f"max_prompt_length={max_len}", annotation_position="top right")
+    fig.update_layout(xaxis_title="prompt tokens (chat template applied)", yaxis_title="prompts",
+                      height=320, margin=dict(t=30, b=40, l=40, r=20), showlegend=False)
+    st.plotly_chart(fig, key="data_length_histogram")
+    sampled = "all rows" if hist["n"] + hist["n_invalid"] >= summary["rows"] else \
+        f"a fixed sample of {hist['n'] + hist['n_invalid']:,} rows"
+    note = f"; {hist['n_invalid']} prompts the engine would reject are left out" if hist["n_invalid"] else ""
+    st.caption(f"{sampled}: max {hist['max']}, mean {hist['mean']:.1f} tokens; {hist['n_over']} over "
+               f"data.max_prompt_length={max_len}{note}.")
+
+
+def _sources_and_truths(summary: dict[str, Any]) -> None:
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Data sources")
+        if not summary["has_data_source"]:
+            st.info("No data_source column: the reward function cannot be chosen per row.")
+        elif summary["sources"]:
+            names = [str(s) for s, _ in summary["sources"]]
+            fig = go.Figure(go.Bar(x=names, y=[n for _, n in summary["sources"]]))
+            fig.update_layout(yaxis_title="rows", height=300, margin=dict(t=20, b=40, l=40, r=20))
+            st.plotly_chart(fig, key="data_sources_chart")
+            known = set(rewards.known_data_sources())
+            unknown = [n for n in names if n not in known]
+            if unknown:
+                st.warning(f"No built-in reward for: {', '.join(unknown)} (set custom_reward_function).")
+    with right:
+        st.subheader("Ground truth")
+        presence = summary["presence"]
+        if not presence["by_column"]:
+            st.warning("No ground-truth column (reward_model.ground_truth, ground_truth or answer).")
+        else:
+            st.dataframe({"column": list(presence["by_column"]),
+                          "non-empty rows": list(presence["by_column"].values())}, hide_index=True)
+            missing = presence["without_ground_truth"]
+            (st.warning if missing else st.success)(
+                f"{presence['with_ground_truth']:,} of {presence['rows']:,} rows have a ground truth"
+                + (f"; {missing:,} do not." if missing else "."))
+
+
+def _sql_box(path: Path) -> None:
+    st.subheader("SQL (read-only)")
+    st.caption("One SELECT over the view `data` (DuckDB). At most 1,000 rows come back; other files, "
+               "tables and statements are refused.")
+    sql = st.text_area("Query", key="sql_input", height=100)
+    if st.button("Run query", key="sql_run"):
+        try:
+            with preview.open_parquet(path) as pv:
+                columns, rows = pv.query(sql or "")
+            st.session_state["_data_sql"] = (str(path), sql, columns, rows, None)
+        except preview.PreviewError as e:
+            st.session_state["_data_sql"] = (str(path), sql, None, None, str(e))
+    last = st.session_state.get("_data_sql")
+    if not last or last[0] != str(path) or last[1] != sql:
+        return
+    _, _, columns, rows, error = last
+    if error:
+        st.error(error)
+        return
+    st.dataframe(preview.display_columns(columns, rows), hide_index=True, key="sql_result")
+    st.caption(f"{len(rows):,} row{'s' if len(rows) != 1 else ''}")
+
+
+def _fill_from_reference(options: dict[str, tuple[str, str, str]]) -> None:
+    picked = options.get(st.session_state.get("reward_reference_pick"))
+    if picked is None:
+        return
+    source, response, truth = picked
+    st.session_state["reward_response"] = response
+    st.session_state["reward_ground_truth"] = truth
+    if source in rewards.known_data_sources():
+        st.session_state["reward_source"] = source
+
+
+def _reward_playground(summary: dict[str, Any], path: Path) -> None:
+    st.subheader("Reward playground")
+    sources = rewards.known_data_sources()
+    file_sources = [s for s, _ in summary["sources"] if s in sources]
+    default = sources.index(file_sources[0]) if file_sources else 0
+    options: dict[str, tuple[str, str, str]] = {}
+    for i, row in enumerate(summary["head"][:REFERENCE_ROWS]):
+        ref = preview.reference_answer(row)
+        if ref:
+            short = ref[0].replace("\n", " ")
+            options[f"row {i}: {short[:60]}{'...' if len(short) > 60 else ''}"] = \
+                (str(row.get("data_source") or ""), ref[0], ref[1])
+
+    left, right = st.columns(2)
+    if st.session_state.get("reward_source") not in sources:
+        st.session_state["reward_source"] = sources[default]
+    source = left.selectbox("Reward (by data_source)", sources, key="reward_source")
+    right.selectbox("Fill in a reference answer from the file", [TYPE_YOUR_OWN, *options],
+                    key="reward_reference_pick", on_change=_fill_from_reference, args=(options,))
+    with st.expander("Your own reward function instead"):
+        custom_path = st.text_input("custom_reward_function.path", key="reward_custom_path",
+                                    placeholder="rewards/my_reward.py")
+        custom_name = st.text_input("custom_reward_function.name", key="reward_custom_name",
+                                    placeholder="compute_score")
+    response = st.text_area("Response", key="reward_response", height=120,
+                            placeholder="The model's answer, e.g. 3 + 4 = 7. #### 7")
+    truth = st.text_input("Ground truth", key="reward_ground_truth", placeholder="7")
+    inputs = (source, response, truth, custom_path, custom_name)
+    if st.button("Score", key="reward_score_button"):
+        with st.spinner("Scoring..."):
+            st.session_state["_data_reward"] = (inputs, preview.score_response(*inputs))
+    last = st.session_state.get("_data_reward")
+    if last and last[0] == inputs:
+        result = last[1]
+        cols = st.columns(4)
+        cols[0].metric("Score", "—" if result["score"] is None else str(round(result["score"], 4)))
+        cols[1].metric("Strict (#### n)", result["strict"] or "—")
+        cols[2].metric("Flexible (last number)", result["flexible"] or "—")
+        cols[3].metric("Boxed", result["boxed"] or "—")
+        if result["error"]:
+            st.error(result["error"])
+        if result["parts"] or result["pred"] is not None:
+            st.json({"parts": result["parts"], "pred": result["pred"]}, expanded=True)
+
+    if st.button(f"Score the reference answers of the first {REFERENCE_ROWS} rows", key="score_references_button"):
+        with st.spinner("Scoring reference answers..."):
+            st.session_state["_data_refs"] = (str(path), custom_path, custom_name, preview.score_reference_answers(
+                summary["head"], n=REFERENCE_ROWS, custom_path=custom_path, custom_name=custom_name))
+    refs = st.session_state.get("_data_refs")
+    if refs and refs[:3] == (str(path), custom_path, custom_name):
+        report = refs[3]
+        if report["error"]:
+            st.error(report["error"])
+        elif report["n"] == 0:
+            st.info("No row has a ground truth to build a reference answer from.")
+        elif not report["failures"]:
+            st.success(f"All {report['n']} reference answers get full marks.")
+        else:
+            st.error(f"{report['full_marks']} of {report['n']} reference answers get full marks; a correct "
+                     "answer scored below 1 means the scorer or the ground truth is off.")
+            fails = report["failures"]
+            st.dataframe(preview.display_columns(list(fails[0]), [list(f.values()) for f in fails]), hide_index=True)
+
+
+def _engine_problems(path: Path, stamp: tuple[int, int], summary: dict[str, Any]) -> None:
+    st.subheader("Problems the engine would reject")
+    model = st.session_state.get("_data_tokenizer_ok")
+    max_len = int(st.session_state.get("data_max_prompt_length", 256))
+    if summary["rows"] > AUTO_CHECK_ROWS and not st.button(
+            f"Check all {summary['rows']:,} rows (loads the file as the trainer does; may take a while)",
+            key="problems_check_button"):
+        return
+    with st.spinner("Reading every row as the trainer does..."):
+        problems = _problems(str(path), stamp, model, max_len)
+    if not problems:
+        length = f" and every prompt fits data.max_prompt_length={max_len}" if model else ""
+        st.success(f"The engine would load this file: every row has the expected shape, every data_source a "
+                   f"reward{length}.")
+    for problem in problems:
+        st.error(problem)
+    st.caption("A custom_reward_function in the config scores data sources without a built-in reward.")
+
+
+def _guarded(section, *args) -> None:
+    try:
+        section(*args)
+    except Exception as e:  # a section's own bug must not take down the rest of the page
+        st.error(f"{section.__name__.strip('_').replace('_', ' ')} failed: {type(e).__name__}: {e}")
+
+
+def main() -> None:
+    if _standalone():
+        st.set_page_config(page_title="Data · GRPO Workbench", layout="wide")
+    # Defaults through session state, not value=: a test or another page may preset these keys.
+    for key, value in (("data_max_prompt_length", 256), ("data_model_name", SMOLLM2), ("sql_input", DEFAULT_SQL)):
+        st.session_state.setdefault(key, value)
+    st.title("Data")
+    path = _pick_file()
+    if path is None:
+        return
+    try:
+        stamp = _stamp(path)
+        with st.spinner(f"Reading {path.name}..."):
+            summary = _summary(str(path), stamp)
+    except (preview.PreviewError, OSError) as e:
+        st.error(str(e))
+        return
+    except Exception as e:  # whatever else reading the file raised: say so, do not crash
+        st.error(f"{path}: could not be read ({type(e).__name__}: {e})")
+        return
+    st.caption(f"Showing `{path}`")
+    _guarded(_overview, summary)
+    _guarded(_first_rows, summary)
+    _guarded(_token_lengths, path, stamp, summary)
+    _guarded(_sources_and_truths, summary)
+    _guarded(_sql_box, path)
+    _guarded(_reward_playground, summary, path)
+    _guarded(_engine_problems, path, stamp, summary)
+
+
+main()

@@ -1,0 +1,181 @@
+"""The data page (pages/data.py) in Streamlit's AppTest: it renders, answers, refuses, and never crashes.
+
+The page runs in a temporary workspace (GRPO_WB_HOME) holding a copy of the sample set, with the tiny
+test tokenizer preset so that no test converts SmolLM2.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import streamlit as st
+from streamlit.testing.v1 import AppTest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGE = REPO / "pages" / "data.py"
+SAMPLE = REPO / "sample_data" / "arithmetic_train.parquet"
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """One workspace for the module, so the page's caches of the sample file carry from test to test;
+    tests that add files give them names of their own."""
+    root = tmp_path_factory.mktemp("workspace")
+    (root / "sample_data").mkdir()
+    shutil.copy(SAMPLE, root / "sample_data" / SAMPLE.name)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GRPO_WB_HOME", str(root))
+        mp.delenv("GRPO_WB_ROOTS", raising=False)
+        mp.chdir(root)
+        yield root
+
+
+def _page() -> AppTest:
+    at = AppTest.from_file(str(PAGE), default_timeout=120)
+    at.session_state["data_model_name"] = "tiny-qwen3"
+    return at.run()
+
+
+def _texts(elements) -> list[str]:
+    return [str(e.value) for e in elements]
+
+
+def _assert_whole_page(at: AppTest) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+    headers = _texts(at.subheader)
+    for section in ("Schema", "First rows", "SQL (read-only)", "Reward playground",
+                    "Problems the engine would reject"):
+        assert section in headers
+
+
+def test_page_renders_the_sample_file_without_exceptions(workspace):
+    at = _page()
+    _assert_whole_page(at)
+    assert not at.error, _texts(at.error)
+    assert at.selectbox(key="data_file_select").value == "sample_data/arithmetic_train.parquet"
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Rows"] == "2,000" and metrics["With ground truth"] == "2,000"
+    assert any("0 over data.max_prompt_length=256" in c for c in _texts(at.caption))
+    assert any("The engine would load this file" in s for s in _texts(at.success))
+
+
+def test_a_sql_query_shows_its_result(workspace):
+    at = _page()
+    at.text_area(key="sql_input").input("SELECT count(*) AS n FROM data WHERE data_source = 'arithmetic'")
+    at.button(key="sql_run").click().run()
+    assert not at.exception and not at.error
+    [result] = [df.value for df in at.dataframe if list(df.value.columns) == ["n"]]
+    assert result["n"].tolist() == [2000]
+
+
+def test_a_forbidden_query_shows_an_error_and_the_page_still_renders(workspace):
+    (workspace / "secret.parquet").write_bytes(SAMPLE.read_bytes())
+    at = _page()
+    for sql, message in (("SELECT * FROM 'secret.parquet'", "looks like a file"),
+                         ("SELECT * FROM read_csv_auto('/etc/passwd')", "reads files"),
+                         ("DROP VIEW data", "only read-only SELECT")):
+        at.text_area(key="sql_input").input(sql)
+        at.button(key="sql_run").click().run()
+        assert any(message in e for e in _texts(at.error)), _texts(at.error)
+        _assert_whole_page(at)
+
+
+@pytest.mark.parametrize(("path", "message"), [
+    ("nowhere/missing.parquet", "does not exist"),
+    ("../outside.parquet", "contains '..'"),
+    ("/etc/passwd", "outside the allowed folders"),
+    ("sample_data", "is not a .parquet file"),
+])
+def test_a_bad_path_shows_a_message(workspace, path, message):
+    at = _page()
+    at.text_input(key="data_path_input").input(path).run()
+    assert not at.exception
+    assert any(message in e for e in _texts(at.error)), _texts(at.error)
+
+
+def test_a_file_that_is_not_parquet_shows_a_message(workspace):
+    (workspace / "notes.parquet").write_text("not parquet at all")
+    at = _page()
+    at.text_input(key="data_path_input").input("notes.parquet").run()
+    assert not at.exception
+    assert any("is not a readable parquet file" in e for e in _texts(at.error))
+
+
+def test_the_reward_playground_scores_a_right_answer_as_one(workspace):
+    at = _page()
+    at.selectbox(key="reward_source").select("arithmetic")
+    at.text_area(key="reward_response").input("#### 7")
+    at.text_input(key="reward_ground_truth").input("7")
+    at.button(key="reward_score_button").click().run()
+    assert not at.exception and not at.error
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Score"] == "1.0"
+    assert metrics["Strict (#### n)"] == "7" and metrics["Flexible (last number)"] == "7"
+
+
+def test_reference_answers_fill_the_playground_and_all_get_full_marks(workspace):
+    at = _page()
+    first = at.selectbox(key="reward_reference_pick").options[1]
+    at.selectbox(key="reward_reference_pick").select(first).run()
+    assert at.text_area(key="reward_response").value.startswith("#### ")
+    at.button(key="score_references_button").click().run()
+    assert not at.exception
+    assert "All 50 reference answers get full marks." in _texts(at.success)
+
+
+def test_an_upload_is_saved_into_the_uploads_folder_and_shown(workspace):
+    at = _page()
+    at.file_uploader(key="data_upload").set_value(("my data.parquet", SAMPLE.read_bytes(), "application/octet-stream"))
+    at.run()
+    assert not at.exception and not at.error, _texts(at.error)
+    assert (workspace / "uploads" / "my_data.parquet").is_file()
+    assert any("uploads/my_data.parquet" in c for c in _texts(at.caption))
+
+    at.file_uploader(key="data_upload").set_value(("junk.parquet", b"not parquet", "application/octet-stream"))
+    at.run()
+    assert any("junk.parquet is not a readable parquet file" in e for e in _texts(at.error))
+    assert not (workspace / "uploads" / "junk.parquet").exists()
+
+
+def test_a_tokenizer_that_cannot_load_skips_the_histogram_only(workspace):
+    at = _page()
+    at.text_input(key="data_model_name").input("./no-such-model").run()
+    assert not at.exception
+    assert any("Token lengths skipped" in w for w in _texts(at.warning))
+    _assert_whole_page(at)
+
+
+def test_run_as_a_page_of_the_app_it_leaves_the_page_config_to_the_entry_point(workspace, monkeypatch):
+    calls = []
+    monkeypatch.setattr(st, "set_page_config", lambda *a, **k: calls.append(k))
+    entry = workspace / "entry.py"
+    entry.write_text(
+        "import streamlit as st\n"
+        f"st.navigation([st.Page({str(PAGE)!r}, title='Data')]).run()\n")
+    at = AppTest.from_file(str(entry), default_timeout=120)
+    at.session_state["data_model_name"] = "tiny-qwen3"
+    at.run()
+    assert not at.exception
+    assert "Data" in _texts(at.title)
+    assert calls == []
+
+    standalone = _page()  # run directly, the page is its own entry point and sets the config
+    assert not standalone.exception
+    assert calls and calls[-1]["layout"] == "wide"
+
+
+def test_a_file_in_another_shape_renders_and_lists_what_the_engine_would_reject(workspace):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # the offline seeds' shape: no data_source, no ground truth, a plain string prompt
+    pq.write_table(pa.table({"prompt": ["What is 2 + 2?", "Name a colour."], "response": ["4", "red"],
+                             "reward": [1.0, 0.0]}), workspace / "offline.parquet")
+    at = _page()
+    at.text_input(key="data_path_input").input("offline.parquet").run()
+    _assert_whole_page(at)
+    assert {m.label: m.value for m in at.metric}["Rows"] == "2"
+    errors = _texts(at.error)
+    assert any("missing column 'reward_model'" in e for e in errors), errors
