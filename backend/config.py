@@ -179,6 +179,8 @@ class TrainerConfig:
     max_checkpoints_to_keep: int = _f(2, "Keep the newest N checkpoints (0 = all).", min=0)
     export_at_end: bool = _f(True, "Write export/ (a plain Hugging Face folder) when training ends.")
     stall_warning_s: float = _f(300.0, "The dashboard warns when a run reports no progress for this long.", gt=0)
+    token_log_max: int = _f(8, "Responses per step whose per-token log-probs, KL, entropy, advantage and clipping "
+                            "are stored for the token view (0 = none).", min=0)
     rollout_log_max: int = _f(512, "Responses per step written to rollouts/ (0 = none).", min=0)
     logger: list[str] = _f(["console", "jsonl"], "Where metrics go.")
     runs_root: str = _f("runs", "Folder that holds run directories.")

@@ -113,6 +113,14 @@ class RunDir:
         os.replace(tmp, path)
         return path
 
+    def write_token_log(self, step: int, rows: dict[str, list]) -> Path:
+        """rollouts/tokens_step_N.parquet: per-token quantities of a few responses of the step."""
+        path = self.rollouts / f"tokens_step_{step:06d}.parquet"
+        tmp = path.with_name(f".{path.name}.tmp")
+        pq.write_table(pa.table(rows), tmp)
+        os.replace(tmp, path)
+        return path
+
     # ---- checkpoints ----
 
     def checkpoint_dir(self, step: int) -> Path:

@@ -267,9 +267,13 @@ class Trainer:
                 tensors["advantages"] = advantages
 
             # ---- update ----
+            token_sample = self._token_sample(tensors)
             with timer("update_actor", timings):
                 actor_metrics = self.actor.update_actor(
                     tensors, progress=lambda d, n: self.stage(f"updating micro-batch {d}/{n}"))
+            if token_sample is not None:
+                with timer("token_log", timings):
+                    self.run.write_token_log(step, self._token_rows(token_sample))
 
         # ---- metrics and rollouts ----
         metrics = {"step": step, "epoch": epoch, "time": time.time(), **actor_metrics, **kl_metrics,
@@ -284,6 +288,41 @@ class Trainer:
             self.run.write_rollouts(step, rollout_rows(step, rows, texts, scored, advantages, batch,
                                                        cfg.trainer.rollout_log_max))
         return metrics
+
+    # ---- the token view's data ----
+
+    def _token_sample(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The first trainer.token_log_max responses with their log-probs and entropy before the update."""
+        k = min(self.cfg.trainer.token_log_max, self.cfg.trainer.rollout_log_max, len(tensors["responses"]))
+        if k == 0:
+            return None
+        sample = {key: value[:k] for key, value in tensors.items()}
+        sample["before_log_probs"], sample["entropy"] = self.actor.compute_log_prob(sample)
+        return sample
+
+    def _token_rows(self, sample: dict[str, torch.Tensor]) -> dict[str, list]:
+        """Per-token quantities of the sampled responses; `clipped` marks tokens whose ratio after the
+        update lies outside the clip range in the direction the advantage pushes (where PPO stops)."""
+        after, _ = self.actor.compute_log_prob(sample)
+        before, adv = sample["before_log_probs"], sample["advantages"]
+        ratio = torch.exp(after - before)
+        clipped = ((adv > 0) & (ratio > 1 + self.actor.clip_high)) | ((adv < 0) & (ratio < 1 - self.actor.clip_low))
+        ref = sample.get("ref_log_probs")
+        rows: dict[str, list] = {key: [] for key in ("row", "token_ids", "tokens", "log_prob", "ref_log_prob", "kl",
+                                                     "entropy", "advantage", "clipped")}
+        for i in range(len(before)):
+            n = int(sample["response_mask"][i].sum())
+            ids = sample["responses"][i, :n].tolist()
+            rows["row"].append(i)
+            rows["token_ids"].append(ids)
+            rows["tokens"].append([self.tokenizer.decode([t]) for t in ids])
+            rows["log_prob"].append(before[i, :n].tolist())
+            rows["ref_log_prob"].append(ref[i, :n].tolist() if ref is not None else [None] * n)
+            rows["kl"].append((before[i, :n] - ref[i, :n]).tolist() if ref is not None else [None] * n)
+            rows["entropy"].append(sample["entropy"][i, :n].tolist())
+            rows["advantage"].append(adv[i, :n].tolist())
+            rows["clipped"].append(clipped[i, :n].tolist())
+        return rows
 
     # ---- validation, checkpoints, export ----
 

@@ -159,3 +159,20 @@ def test_a_run_whose_data_vanishes_fails_with_the_error_in_status(tmp_path, samp
         trainer.train()
     status = json.loads((tmp_path / "r/status.json").read_text())
     assert status["state"] == "failed" and "train.parquet" in status["error"] and status["traceback"]
+
+
+def test_token_log_holds_per_token_quantities_of_the_first_responses(finished_run, tiny_tokenizer):
+    tokens = pq.read_table(finished_run / "rollouts/tokens_step_000001.parquet").to_pylist()
+    rollouts = pq.read_table(finished_run / "rollouts/step_000001.parquet").to_pylist()
+    assert [t["row"] for t in tokens] == list(range(len(tokens))) and 0 < len(tokens) <= 8
+    for t in tokens:
+        n = rollouts[t["row"]]["response_length"]
+        for key in ("token_ids", "tokens", "log_prob", "ref_log_prob", "kl", "entropy", "advantage", "clipped"):
+            assert len(t[key]) == n, key
+        for lp, ref, kl in zip(t["log_prob"], t["ref_log_prob"], t["kl"], strict=True):
+            assert kl == pytest.approx(lp - ref, abs=1e-6)
+        assert all(lp <= 0 for lp in t["log_prob"]) and all(e >= 0 for e in t["entropy"])
+        # each token is also decoded alone for display; a multi-byte character split across tokens
+        # cannot be, so the check is on the ids
+        decoded = tiny_tokenizer.decode(t["token_ids"], skip_special_tokens=True)
+        assert decoded == rollouts[t["row"]]["response"]
