@@ -104,6 +104,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from backend.inference import evaluate
 
+    if not (args.model or args.run_dir):
+        print("error: name a model (--model) or a run checkpoint (--run-dir [--checkpoint])", file=sys.stderr)
+        return 2
     _quiet_transformers()
     bar = tqdm(desc="eval", unit="prompt")
 
@@ -111,6 +114,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         bar.total = total
         bar.update(done - bar.n)
 
+    if args.run_dir:
+        return _eval_checkpoint(args, progress, bar)
+    args.max_new_tokens = args.max_new_tokens or 128
     result = evaluate(args.model, args.data, limit=args.limit, max_new_tokens=args.max_new_tokens,
                       batch_size=args.batch_size, device=args.device, progress=progress)
     bar.close()
@@ -119,6 +125,41 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.output:
         Path(args.output).write_text(json.dumps({"metrics": result.metrics, "records": result.records}, indent=1))
         print(f"records: {args.output}")
+    return 0
+
+
+def _eval_checkpoint(args: argparse.Namespace, progress, bar) -> int:
+    """`eval --run-dir RUN [--checkpoint step_N]`: scored as the run scores, saved in RUN/evals/."""
+    from backend.compare import evaluate_checkpoint
+    from backend.runs import latest_checkpoint
+
+    checkpoint = args.checkpoint or latest_checkpoint(args.run_dir)
+    if checkpoint is None:
+        bar.close()
+        print(f"error: run {args.run_dir} has no checkpoint yet; name one with --checkpoint", file=sys.stderr)
+        return 2
+    try:
+        out = evaluate_checkpoint(args.run_dir, checkpoint, args.data, limit=args.limit,
+                                  max_new_tokens=args.max_new_tokens, device=args.device, progress=progress)
+    except FileNotFoundError as e:
+        bar.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    bar.close()
+    for key, value in json.loads(out.read_text())["metrics"].items():
+        print(f"{key}: {value:.4f}")
+    print(f"evaluation: {out}")
+    return 0
+
+
+# ---- export ----
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from backend.export import export_checkpoint
+
+    _quiet_transformers()
+    out = export_checkpoint(args.checkpoint, args.output, tokenizer_source=args.tokenizer, overwrite=args.overwrite)
+    print(f"exported {args.checkpoint} to {out}")
     return 0
 
 
@@ -161,14 +202,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="greedy accuracy of a model on a parquet file, scored by its reward")
-    e.add_argument("--model", required=True)
+    e.add_argument("--model", default=None, help="shipped name, run export/checkpoint folder, or Hub id")
+    e.add_argument("--run-dir", default=None,
+                   help="evaluate a checkpoint of this run instead (scored as the run scores; saved in <run>/evals/)")
+    e.add_argument("--checkpoint", default=None, help="with --run-dir: step_N or export (default: the latest step)")
     e.add_argument("--data", required=True)
-    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default 128 (with --run-dir: the run's data.max_response_length)")
     e.add_argument("--batch-size", type=int, default=32)
     e.add_argument("--limit", type=int, default=0, help="first N rows only (0 = all)")
     e.add_argument("--output", default=None, help="write metrics and per-prompt records to this JSON file")
     e.add_argument("--device", default="auto")
     e.set_defaults(func=cmd_eval)
+
+    x = sub.add_parser("export", help="turn a run checkpoint into a plain Hugging Face folder with a model card")
+    x.add_argument("--checkpoint", required=True,
+                   help="runs/<id>/checkpoints/step_N, a run's export/, or a model folder")
+    x.add_argument("--output", required=True, help="folder to write (must not exist unless --overwrite)")
+    x.add_argument("--tokenizer", default=None, help="tokenizer source when the run config does not name it")
+    x.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    x.set_defaults(func=cmd_export)
     return p
 
 

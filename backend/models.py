@@ -164,7 +164,13 @@ def load_tokenizer(name_or_path: str, tokenizer_path: str = ""):
     """The model's tokenizer (or tokenizer_path's), with a pad token and left padding for generation."""
     from transformers import AutoTokenizer
 
-    source = resolve_model(tokenizer_path) if tokenizer_path else resolve_model(name_or_path)
+    if tokenizer_path:
+        source = resolve_model(tokenizer_path)
+    else:
+        # A run checkpoint holds weights only; its tokenizer is the one its run was configured with.
+        from backend.export import tokenizer_source
+
+        source = resolve_model(tokenizer_source(name_or_path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except OSError as e:

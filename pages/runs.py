@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from backend import launcher, workspace
+from backend.compare import list_evaluations
 from backend.config import ConfigError, config_from_yaml_text
 from backend.presets import DEFAULT_PRESET, SESSION_KEY, preset_yaml_text
 
@@ -220,6 +221,12 @@ def live_view() -> None:
                          hide_index=True)
         else:
             st.caption("The configs are the same.")
+    evaluations = list_evaluations(run_dir)
+    if evaluations:
+        st.subheader("Evaluations")
+        st.dataframe([{"checkpoint": e.get("checkpoint"), "data": Path(str(e.get("data_file", ""))).name,
+                       **{k: round(v, 4) for k, v in (e.get("metrics") or {}).items() if isinstance(v, float)}}
+                      for e in evaluations], hide_index=True)
     with st.expander("Log", expanded=state == "failed"):
         st.code(launcher.log_tail(run_dir, 80) or "(empty)", language="text")
 

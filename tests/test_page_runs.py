@@ -36,12 +36,17 @@ def test_with_no_runs_the_page_says_so_and_offers_launch(home):
 
 def test_a_finished_run_is_listed_and_its_charts_drawn(home, sample_sets):
     cfg = load_config(None, tiny_overrides(sample_sets))
-    Trainer(cfg, home / "runs" / "20260101-000000-done", show_progress=False).train()
+    run_dir = home / "runs" / "20260101-000000-done"
+    Trainer(cfg, run_dir, show_progress=False).train()
+    (run_dir / "evals").mkdir()
+    (run_dir / "evals/step_2__val.json").write_text(
+        '{"checkpoint": "step_2", "data_file": "val.parquet", "metrics": {"val/accuracy": 0.25}}')
     at = page(home).run()
     assert not at.exception
     assert at.selectbox(key="runs_selected").value == "20260101-000000-done"
     assert any("succeeded" in m.value for m in at.markdown)
     assert len(at.get("plotly_chart")) >= 8
+    assert any(h.value == "Evaluations" for h in at.subheader)
 
 
 def test_an_invalid_config_in_the_session_cannot_be_launched(home):
