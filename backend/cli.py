@@ -163,10 +163,111 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- ui / docs / version ----
+
+def _package_root() -> Path:
+    return Path(__file__).resolve().parent
+
+
+def workbench_files() -> tuple[Path, Path | None]:
+    """The workbench's entry script and its Streamlit defaults (config.toml, or None): inside the installed
+    package (`backend/workbench/`, as the wheel lays them out) or, from a source checkout, the repository."""
+    installed = _package_root() / "workbench"
+    for app, conf in ((installed / "app" / "main.py", installed / "streamlit" / "config.toml"),
+                      (_package_root().parent / "app" / "main.py",
+                       _package_root().parent / ".streamlit" / "config.toml")):
+        if app.is_file():
+            return app, conf if conf.is_file() else None
+    raise FileNotFoundError(f"the workbench app is not installed next to {_package_root()} (looked for "
+                            f"{installed / 'app' / 'main.py'}); reinstall grpo-workbench")
+
+
+def streamlit_command(extra: list[str] | None = None) -> list[str]:
+    """`python -m streamlit run <app/main.py>` with the shipped defaults as flags (so they hold in any working
+    folder), bound to 127.0.0.1; `extra` comes last, so a flag given there wins."""
+    import tomllib
+
+    app, conf = workbench_files()
+    flags: list[str] = []
+    if conf is not None:
+        for section, values in tomllib.loads(conf.read_text()).items():
+            if section == "theme":  # a theme as flags would override a user's own .streamlit/config.toml
+                continue
+            for key, value in values.items():
+                value = str(value).lower() if isinstance(value, bool) else str(value)
+                flags.append(f"--{section}.{key}={value}")
+    flags = [f for f in flags if not f.startswith("--server.address=")] + ["--server.address=127.0.0.1"]
+    return [sys.executable, "-m", "streamlit", "run", str(app), *flags, *(extra or [])]
+
+
+class _PassThroughParser(argparse.ArgumentParser):
+    """`ui`'s parser: arguments it does not know are kept for streamlit instead of being an error."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, rest = super().parse_known_args(args, namespace)
+        namespace.streamlit_args = [a for a in rest if a != "--"]
+        return namespace, []
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    import subprocess
+
+    try:
+        command = streamlit_command(args.streamlit_args)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.print_command:
+        print(" ".join(command))
+        return 0
+    return subprocess.call(command)  # a list, no shell; the workspace is the current folder
+
+
+def cmd_docs_config(args: argparse.Namespace) -> int:
+    from backend.docs import write_config_reference
+
+    print(f"wrote {write_config_reference(args.output)}")
+    return 0
+
+
+def _version() -> str:
+    from backend import __version__
+
+    return __version__
+
+
+# ---- config: verl interop ----
+
+def cmd_config_from_verl(args: argparse.Namespace) -> int:
+    from backend.config import dump_yaml
+    from backend.interop import from_verl_script
+
+    raw, notes = from_verl_script(Path(args.script).read_text())
+    for note in notes:
+        print(f"not carried over: {note}", file=sys.stderr)
+    text = dump_yaml(raw)
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 0
+
+
+def cmd_config_to_verl(args: argparse.Namespace) -> int:
+    from backend.config import load_config
+    from backend.interop import to_verl_command
+
+    print(to_verl_command(load_config(None if args.config == "defaults" else args.config, args.overrides,
+                                      validate=False)))
+    return 0
+
+
 # ---- parser ----
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m backend", description="GRPO Workbench engine")
+    p.add_argument("--version", action="version", version=f"grpo-workbench {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("data", help="make or convert data sets").add_subparsers(dest="data_command", required=True)
@@ -222,18 +323,42 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--tokenizer", default=None, help="tokenizer source when the run config does not name it")
     x.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     x.set_defaults(func=cmd_export)
+
+    c = sub.add_parser("config", help="convert configs to and from verl launch scripts")
+    cs = c.add_subparsers(dest="config_command", required=True)
+    fv = cs.add_parser("from-verl", help="read a verl launch script (python3 -m verl.trainer.main_ppo key=value ...)")
+    fv.add_argument("script", help="the bash script")
+    fv.add_argument("--output", default=None, help="YAML file to write (default: print it)")
+    fv.set_defaults(func=cmd_config_from_verl)
+    tv = cs.add_parser("to-verl", help="print the verl command line that trains a config")
+    tv.add_argument("config", help="YAML config file, or `defaults`")
+    tv.add_argument("overrides", nargs="*", help="e.g. actor_rollout_ref.rollout.n=8")
+    tv.set_defaults(func=cmd_config_to_verl)
+
+    u = sub.add_parser("ui", help="open the workbench (streamlit run on 127.0.0.1); other arguments go to streamlit",
+                       description="Open the workbench. Arguments other than --print-command go to streamlit, "
+                                   "e.g. `ui --server.port 8502`.")
+    u.__class__ = _PassThroughParser
+    u.add_argument("--print-command", action="store_true", help="print the streamlit command instead of running it")
+    u.set_defaults(func=cmd_ui, streamlit_args=[])
+
+    dc = sub.add_parser("docs", help="generate documentation").add_subparsers(dest="docs_command", required=True)
+    dcc = dc.add_parser("config", help="write the config reference (docs/config.md) from the schema")
+    dcc.add_argument("--output", default="docs/config.md")
+    dcc.set_defaults(func=cmd_docs_config)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     from backend.data import DataError
+    from backend.interop import InteropError
     from backend.models import ModelError
     from backend.rewards import RewardError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, DataError, ModelError, RewardError) as e:
+    except (ConfigError, DataError, InteropError, ModelError, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -182,7 +182,8 @@ class TrainerConfig:
     token_log_max: int = _f(8, "Responses per step whose per-token log-probs, KL, entropy, advantage and clipping "
                             "are stored for the token view (0 = none).", min=0)
     rollout_log_max: int = _f(512, "Responses per step written to rollouts/ (0 = none).", min=0)
-    logger: list[str] = _f(["console", "jsonl"], "Where metrics go.")
+    logger: list[str] = _f(["console", "jsonl"], "Where metrics go: console, jsonl (always written), tensorboard, "
+                           "wandb (offline unless WANDB_MODE is set), mlflow.")
     runs_root: str = _f("runs", "Folder that holds run directories.")
     device: str = _f("auto", "auto picks cuda when present, else cpu.", choices=("auto", "cpu", "cuda"))
     seed: int = _f(0, "Seed of sampling and initialisation.")
@@ -499,10 +500,9 @@ def validate_config(cfg: Config) -> None:
     if cfg.algorithm.adv_estimator in ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline") and r.n < 2:
         problems.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the responses of one "
                         f"prompt, so actor_rollout_ref.rollout.n must be >= 2 (got {r.n})")
-    known_loggers = ("console", "jsonl")
-    for name in cfg.trainer.logger:
-        if name not in known_loggers:
-            problems.append(f"trainer.logger has '{name}'; available here: {', '.join(known_loggers)}")
+    from backend.trackers import check_trackers  # trackers reads configs; imported here to avoid a cycle
+
+    problems.extend(check_trackers(cfg.trainer.logger))
     if cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes != 1:
         problems.append("trainer.n_gpus_per_node x trainer.nnodes must be 1 for now: this engine runs one "
                         "worker (distributed workers are not built yet)")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from backend import algos, data, rewards
+from backend import algos, data, rewards, trackers
 from backend.checks import check_or_raise
 from backend.config import Config, ConfigError, batch_plan, to_yaml, validate_config
 from backend.evaluation import evaluate
@@ -78,6 +78,7 @@ class Trainer:
         self._last_stage_write = 0.0
         self._step = 0
         self._ready = False
+        self.tracking = trackers.Tracking({})  # opened by train(): evaluate or generate alone start no tracker run
 
     # ---- status ----
 
@@ -158,6 +159,7 @@ class Trainer:
         stop = _install_stop_handlers()
         try:
             self.setup()
+            self.tracking = trackers.open_trackers(self.cfg.trainer.logger, self.run.root, self.cfg)
             self.run.write_status("running", total_steps=self.total_steps, step=self.start_step)
             metrics = self._loop()
             self.stage("exporting", force=True)
@@ -175,12 +177,13 @@ class Trainer:
             raise
         finally:
             stop()
+            self.tracking.close()
 
     def _loop(self) -> dict[str, float]:
         t = self.cfg.trainer
         metrics: dict[str, float] = {}
         if t.val_before_train and self.start_step == 0 and self.val_items:
-            self.run.append_metrics({"step": 0, **self.validate()})
+            self._log_metrics({"step": 0, **self.validate()})
         bar = tqdm(total=self.total_steps, initial=self.start_step, desc="train", unit="step",
                    disable=not self.show_progress, dynamic_ncols=True)
         for step in range(self.start_step + 1, self.total_steps + 1):
@@ -193,12 +196,17 @@ class Trainer:
             if (t.save_freq and step % t.save_freq == 0) or last:
                 with timer("save_checkpoint", metrics):
                     self.save(step)
-            self.run.append_metrics(metrics)
+            self._log_metrics(metrics)
             self.run.write_status("running", step=step, stage=f"finished step {step}", stage_started=time.time())
             bar.update(1)
             bar.write(summary_line(metrics, self.total_steps))
         bar.close()
         return metrics
+
+    def _log_metrics(self, metrics: dict) -> None:
+        """metrics.jsonl first (the run directory contract), then the trackers of trainer.logger."""
+        self.run.append_metrics(metrics)
+        self.tracking.log(metrics, metrics["step"])
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg = self.cfg

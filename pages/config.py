@@ -264,6 +264,40 @@ def _save_and_commands(text: str, cfg: C.Config | None) -> None:
         st.code(C.cli_overrides_command(cfg), language="bash")
 
 
+def _on_from_verl() -> None:
+    from backend.interop import InteropError, from_verl_script
+
+    ss = st.session_state
+    try:
+        raw, notes = from_verl_script(ss.get("config_verl_script", ""))
+    except InteropError as e:
+        ss["config_verl_notes"] = ("error", [str(e)])
+        return
+    _set_text(C.dump_yaml(raw))
+    ss["config_verl_notes"] = ("ok", notes)
+
+
+def _verl(cfg: C.Config | None) -> None:
+    from backend.interop import to_verl_command
+
+    with st.expander("From / to verl"):
+        st.text_area("verl launch script", key="config_verl_script", height=200,
+                     placeholder="python3 -m verl.trainer.main_ppo \\\n    algorithm.adv_estimator=grpo \\\n    ...",
+                     help="Paste a bash script that runs verl.trainer.main_ppo; its key=value overrides replace "
+                          "the config above (keys not set stay at the schema defaults).")
+        st.button("Load into the editor", key="config_from_verl", on_click=_on_from_verl)
+        outcome, notes = st.session_state.get("config_verl_notes", ("", []))
+        if outcome == "error":
+            st.error(notes[0])
+        elif outcome == "ok":
+            st.caption("Loaded the verl script." + (" Not carried over:" if notes else ""))
+            if notes:
+                st.markdown("\n".join(f"- `{n}`" for n in notes))
+        if cfg is not None:
+            st.caption("The verl command for the current config:")
+            st.code(to_verl_command(cfg), language="bash")
+
+
 def render() -> None:
     ss = st.session_state
     if TEXT not in ss:
@@ -320,6 +354,7 @@ def render() -> None:
     _derived(draft)
     _preflight(text, cfg is not None)
     _save_and_commands(text, cfg)
+    _verl(cfg)
 
 
 render()

@@ -93,6 +93,21 @@ with st.expander("Launch the current config", expanded=True):
         except (ConfigError, ValueError) as e:
             st.error(str(e))
 
+with st.expander("Import a TRL or verl run"):
+    src = st.text_input("Folder", key="import_folder",
+                        help="A TRL GRPOTrainer output_dir (trainer_state.json, completions/) or verl's rollout dump "
+                             "(trainer.rollout_data_dir: <step>.jsonl files), inside the workspace or GRPO_WB_ROOTS.")
+    import_name = st.text_input("Run name", key="import_name", placeholder="trl-gsm8k")
+    if st.button("Import", key="import_button", disabled=not (src.strip() and import_name.strip())):
+        from backend.interop import import_external_run
+
+        try:
+            run_dir = import_external_run(workspace.safe_path(src), root, import_name.strip())
+            st.session_state["runs_selected"] = run_dir.name
+            st.success(f"Imported {run_dir.name}")
+        except (ValueError, OSError) as e:  # PathError and InteropError are ValueErrors
+            st.error(str(e))
+
 # ---- the table ----
 
 runs = launcher.list_runs(root)

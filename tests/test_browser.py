@@ -117,6 +117,12 @@ def page(browser, app_url):
     context.close()
 
 
+def expect(locator):
+    from playwright.sync_api import expect as playwright_expect
+
+    return playwright_expect(locator)
+
+
 def key(name: str) -> str:
     """Streamlit gives every widget with key=K a container with class st-key-K."""
     return f".st-key-{name}"
@@ -159,7 +165,7 @@ def test_config_page_shows_the_engines_validation_next_to_an_edited_field(page):
     field.fill("4")
     field.press("Enter")
     settle(page)
-    assert page.get_by_text("is not divisible by").count() == 0
+    expect(page.get_by_text("is not divisible by")).to_have_count(0, timeout=30_000)
 
 
 def test_data_page_previews_a_parquet_file_and_runs_a_query(page):
