@@ -18,22 +18,12 @@ import streamlit as st
 
 from backend import compare, export, launcher, workspace
 from backend.models import SHIPPED, SMOLLM2
+from backend.pages_runtime import is_entry_point
 from backend.rollout import SamplingParams
 
 MAX_PROMPTS = 20
 MAX_DISAGREEMENTS_SHOWN = 50
 DEFAULT_PROMPTS = "Tom has 3 apples and buys 4 more. How many apples does he have now?"
-
-
-def _standalone() -> bool:
-    """True when this file is the app's entry point (streamlit run / AppTest), not a page of app/main.py."""
-    try:
-        from streamlit.runtime.scriptrunner import get_script_run_ctx
-
-        ctx = get_script_run_ctx()
-        return ctx is not None and Path(ctx.main_script_path).resolve() == Path(__file__).resolve()
-    except Exception:  # an internal API: when in doubt, behave as a page and leave the config alone
-        return False
 
 
 def _error(what: str, e: Exception) -> None:
@@ -368,7 +358,7 @@ def _guarded(section, *args) -> None:
 
 
 def main() -> None:
-    if _standalone():
+    if is_entry_point(__file__):
         st.set_page_config(page_title="Compare · GRPO Workbench", layout="wide")
     # Defaults through session state, not value=: a test or another page may preset these keys.
     for key, value in (("compare_temperature", 0.0), ("compare_max_tokens", 64), ("compare_seed", 0),

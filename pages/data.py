@@ -22,6 +22,7 @@ import streamlit as st
 
 from backend import preview, rewards, workspace
 from backend.models import SHIPPED, SMOLLM2, load_tokenizer
+from backend.pages_runtime import is_entry_point
 
 UPLOAD_LIMIT_MB = 200
 DEFAULT_SQL = "SELECT data_source, count(*) FROM data GROUP BY 1"
@@ -31,17 +32,6 @@ PROMPT_SAMPLE = 2000
 # Checking every row loads the whole file into Python, as the trainer does: automatic up to this size.
 AUTO_CHECK_ROWS = 50_000
 TYPE_YOUR_OWN = "(type your own)"
-
-
-def _standalone() -> bool:
-    """True when this file is the app's entry point (streamlit run / AppTest), not a page of app/main.py."""
-    try:
-        from streamlit.runtime.scriptrunner import get_script_run_ctx
-
-        ctx = get_script_run_ctx()
-        return ctx is not None and Path(ctx.main_script_path).resolve() == Path(__file__).resolve()
-    except Exception:  # an internal API: when in doubt, behave as a page and leave the config alone
-        return False
 
 
 # ---- cached backend answers (keyed by path and file stamp, so an edited file is read again) ----
@@ -381,7 +371,7 @@ def _guarded(section, *args) -> None:
 
 
 def main() -> None:
-    if _standalone():
+    if is_entry_point(__file__):
         st.set_page_config(page_title="Data · GRPO Workbench", layout="wide")
     # Defaults through session state, not value=: a test or another page may preset these keys.
     for key, value in (("data_max_prompt_length", 256), ("data_model_name", SMOLLM2), ("sql_input", DEFAULT_SQL)):

@@ -19,21 +19,11 @@ import streamlit as st
 
 from backend import inspect_rollouts as ir
 from backend import launcher, workspace
+from backend.pages_runtime import is_entry_point
 
 MAX_GROUPS = 40  # expanders drawn per step; the filters narrow the rest
 HISTORY_STEPS = 20  # steps whose texts are shown under the reward-vs-step chart (newest first)
 PROMPT_LABEL = 70
-
-
-def _standalone() -> bool:
-    """True when this file is the app's entry point (streamlit run / AppTest), not a page of app/main.py."""
-    try:
-        from streamlit.runtime.scriptrunner import get_script_run_ctx
-
-        ctx = get_script_run_ctx()
-        return ctx is not None and Path(ctx.main_script_path).resolve() == Path(__file__).resolve()
-    except Exception:  # an internal API: when in doubt, behave as a page and leave the config alone
-        return False
 
 
 # ---- cached reads (keyed by the file's stamp, so a rewritten file is read again) ----
@@ -305,7 +295,7 @@ def _guarded(section, *args) -> None:
 
 
 def main() -> None:
-    if _standalone():
+    if is_entry_point(__file__):
         st.set_page_config(page_title="Rollouts · GRPO Workbench", layout="wide")
     st.title("Rollouts")
     run_dir = _pick_run()

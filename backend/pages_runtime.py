@@ -1,0 +1,18 @@
+"""What a page of the workbench needs to know about how Streamlit runs it (Streamlit imported lazily, so
+the engine stays importable without it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def is_entry_point(page_file: str) -> bool:
+    """True when `page_file` is the app's entry point (`streamlit run pages/x.py`, AppTest), False when it
+    runs as a page of app/main.py, where only the entry point may call st.set_page_config."""
+    try:
+        from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+        ctx = get_script_run_ctx()
+        return ctx is not None and Path(ctx.main_script_path).resolve() == Path(page_file).resolve()
+    except Exception:  # an internal API: when in doubt, behave as a page and leave the config alone
+        return False
