@@ -1,0 +1,101 @@
+"""Faults a run must survive: the training process killed mid-step, a checkpoint torn mid-write."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from backend import launcher
+from backend.config import load_config
+from backend.runs import list_checkpoints, read_metrics, read_status
+from backend.trainer import Trainer
+
+from .conftest import tiny_overrides
+
+STEPS = 6
+COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy",
+            "response_length/mean")
+
+
+# A deterministic reward with some spread, slow enough (0.4 s a step) that a test can kill a step midway.
+SLOW_REWARD = """
+import time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(0.4)
+    return (len(solution_str) % 3) / 2
+"""
+
+
+@pytest.fixture(scope="module")
+def slow_reward(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("reward") / "slow_reward.py"
+    path.write_text(SLOW_REWARD)
+    return path
+
+
+@pytest.fixture(scope="module")
+def config(sample_sets, slow_reward):
+    def make(**extra):
+        return load_config(None, tiny_overrides(sample_sets, **{
+            "trainer.total_training_steps": STEPS, "trainer.save_freq": 2, "data.val_files": "[]",
+            "trainer.max_checkpoints_to_keep": 0, "custom_reward_function.path": str(slow_reward), **extra}))
+    return make
+
+
+def wait_for(predicate, timeout: float = 180.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    ma, mb = read_metrics(a), read_metrics(b)
+    assert [m["step"] for m in mb] == list(range(1, STEPS + 1))
+    for x, y in zip(ma, mb, strict=True):
+        for key in COMPARED:
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (x["step"], key)
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, config) -> Path:
+    run_dir = tmp_path_factory.mktemp("faults") / "straight"
+    Trainer(config(), run_dir, show_progress=False).train()
+    return run_dir
+
+
+def test_a_run_killed_with_sigkill_mid_step_resumes_to_the_same_result(tmp_path, config, straight_run):
+    cfg = config()
+    run_dir = launcher.launch(cfg, name="killed", runs_root=tmp_path)
+    # kill once step 3 is under way: checkpoint step_2 exists and step 3 has not finished
+    wait_for(lambda: (read_status(run_dir) or {}).get("step", 0) >= 3 and len(read_metrics(run_dir)) == 2)
+    os.killpg(read_status(run_dir)["pgid"], signal.SIGKILL)
+    wait_for(lambda: [r for r in launcher.list_runs(tmp_path) if r.state == "failed"], timeout=30)
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_2"]
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]  # everything up to the kill is intact
+
+    launcher.resume(run_dir)
+    wait_for(lambda: (read_status(run_dir) or {}).get("state") == "succeeded")
+    assert_same_run(straight_run, run_dir)
+
+
+def test_a_checkpoint_torn_mid_write_is_never_the_one_resumed_from(tmp_path, config, straight_run):
+    run_dir = tmp_path / "torn"
+    Trainer(config(**{"trainer.total_training_steps": 4}), run_dir, show_progress=False).train()
+    # a kill during the step-6 save leaves its temporary folder half written; step_4 must be used
+    torn = run_dir / "checkpoints" / ".tmp_step_6"
+    shutil.copytree(run_dir / "checkpoints/step_4", torn)
+    (torn / "model.safetensors").write_bytes(b"half a file")
+    (torn / "optim.pt").unlink()
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_2", "step_4"]
+    Trainer(config(**{"trainer.resume_mode": "auto"}), run_dir, show_progress=False).train()
+    assert_same_run(straight_run, run_dir)
+    assert not torn.exists()  # the next save at step 6 replaced the torn folder
