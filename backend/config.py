@@ -366,8 +366,12 @@ def _nest(flat: dict[str, Any]) -> dict:
     for key, value in flat.items():
         node = out
         *parents, leaf = key.split(".")
-        for p in parents:
+        for i, p in enumerate(parents):
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                section = ".".join(parents[: i + 1])
+                raise ConfigError([f"'{key}' puts a key under '{section}', which is set to a value: "
+                                   f"'{section}' cannot be both"])
         node[leaf] = value
     return out
 
@@ -479,7 +483,9 @@ def validate_config(cfg: Config) -> None:
                             f"mini-batch that divides it ({_divisors(d.train_batch_size)})")
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     mini = a.ppo_mini_batch_size * r.n
-    if mini >= 1 and a.ppo_micro_batch_size_per_gpu >= 1 and mini % (a.ppo_micro_batch_size_per_gpu * world):
+    # Sizes below 1 already have their own message above; the arithmetic here needs them positive.
+    if world >= 1 and mini >= 1 and a.ppo_micro_batch_size_per_gpu >= 1 and \
+            mini % (a.ppo_micro_batch_size_per_gpu * world):
         problems.append(f"a mini-batch of {mini} responses (ppo_mini_batch_size={a.ppo_mini_batch_size} x "
                         f"rollout.n={r.n}) does not split into micro-batches of "
                         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}"

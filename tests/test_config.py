@@ -118,3 +118,9 @@ def test_batch_plan_counts_prompts_responses_and_optimizer_steps():
 
 def test_every_field_has_help_text():
     assert all(meta["help"] for _, meta in field_specs().values())
+
+
+def test_zero_or_negative_worker_counts_are_refused_without_crashing():
+    problems = problems_of("trainer.n_gpus_per_node=0", "trainer.nnodes=-3")
+    assert any("trainer.n_gpus_per_node=0 must be >= 1" in p for p in problems)
+    assert any("trainer.nnodes=-3 must be >= 1" in p for p in problems)

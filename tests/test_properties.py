@@ -1,4 +1,8 @@
-"""Validation meets random input: it accepts or rejects with its own error, and never crashes."""
+"""Validation meets random input: it accepts or rejects with its own error, and never crashes.
+
+Examples are derandomized so CI sees the same cases each run; a local run with more examples and a random
+seed (edit max_examples / derandomize) is how new cases are looked for (3,000 ran clean on 2026-11-30).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.flo
 override_keys = st.one_of(st.sampled_from(KEYS), st.text(alphabet="abcdefghij._", min_size=1, max_size=30))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)
 @given(st.lists(st.tuples(override_keys, scalars), max_size=6))
 def test_random_overrides_are_accepted_or_rejected_with_a_config_error(pairs):
     overrides = [f"{key}={value}" for key, value in pairs]
@@ -26,7 +30,7 @@ def test_random_overrides_are_accepted_or_rejected_with_a_config_error(pairs):
         assert e.problems and all(isinstance(p, str) and p for p in e.problems)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(st.recursive(scalars, lambda inner: st.dictionaries(st.text(max_size=12), inner, max_size=4), max_leaves=12))
 def test_random_yaml_documents_are_accepted_or_rejected_with_a_config_error(document):
     from backend.config import config_from_yaml_text, dump_yaml
@@ -41,7 +45,8 @@ messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "sys
                                            "content": st.one_of(st.none(), st.text(max_size=20))}), max_size=2)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.fixed_dictionaries({"data_source": st.one_of(st.none(), st.text(max_size=8)),
                                        "prompt": st.one_of(cells, messages),
                                        "ground_truth": cells}), max_size=5))
