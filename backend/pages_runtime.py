@@ -1,5 +1,5 @@
-"""What a page of the workbench needs to know about how Streamlit runs it (Streamlit imported lazily, so
-the engine stays importable without it)."""
+"""What the workbench's pages share about how Streamlit runs them (Streamlit imported lazily, so the
+engine stays importable without it)."""
 
 from __future__ import annotations
 
@@ -16,3 +16,13 @@ def is_entry_point(page_file: str) -> bool:
         return ctx is not None and Path(ctx.main_script_path).resolve() == Path(page_file).resolve()
     except Exception:  # an internal API: when in doubt, behave as a page and leave the config alone
         return False
+
+
+def guarded(section, *args) -> None:
+    """Draw one section of a page; a bug in it becomes a message and the rest of the page still draws."""
+    import streamlit as st
+
+    try:
+        section(*args)
+    except Exception as e:  # a section's own bug must not take down the rest of the page
+        st.error(f"{section.__name__.strip('_').replace('_', ' ')} failed: {type(e).__name__}: {e}")

@@ -107,19 +107,11 @@ class RunDir:
     # ---- rollouts ----
 
     def write_rollouts(self, step: int, rows: dict[str, list]) -> Path:
-        path = self.rollouts / f"step_{step:06d}.parquet"
-        tmp = path.with_name(f".{path.name}.tmp")
-        pq.write_table(pa.table(rows), tmp)
-        os.replace(tmp, path)
-        return path
+        return _write_table(self.rollouts / f"step_{step:06d}.parquet", rows)
 
     def write_token_log(self, step: int, rows: dict[str, list]) -> Path:
         """rollouts/tokens_step_N.parquet: per-token quantities of a few responses of the step."""
-        path = self.rollouts / f"tokens_step_{step:06d}.parquet"
-        tmp = path.with_name(f".{path.name}.tmp")
-        pq.write_table(pa.table(rows), tmp)
-        os.replace(tmp, path)
-        return path
+        return _write_table(self.rollouts / f"tokens_step_{step:06d}.parquet", rows)
 
     # ---- checkpoints ----
 
@@ -144,6 +136,13 @@ class RunDir:
             for old in list_checkpoints(self.root)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
         return final
+
+
+def _write_table(path: Path, rows: dict[str, list]) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(pa.table(rows), tmp)
+    os.replace(tmp, path)
+    return path
 
 
 def read_status(run_dir: str | Path) -> dict | None:

@@ -18,7 +18,7 @@ import streamlit as st
 
 from backend import compare, export, launcher, workspace
 from backend.models import SHIPPED, SMOLLM2
-from backend.pages_runtime import is_entry_point
+from backend.pages_runtime import guarded, is_entry_point
 from backend.rollout import SamplingParams
 
 MAX_PROMPTS = 20
@@ -350,13 +350,6 @@ def _previous_evaluations(run_dir: Path) -> None:
     }, hide_index=True, key="evalx_previous")
 
 
-def _guarded(section, *args) -> None:
-    try:
-        section(*args)
-    except Exception as e:  # a section's own bug must not take down the rest of the page
-        st.error(f"{section.__name__.strip('_').replace('_', ' ')} failed: {type(e).__name__}: {e}")
-
-
 def main() -> None:
     if is_entry_point(__file__):
         st.set_page_config(page_title="Compare · GRPO Workbench", layout="wide")
@@ -374,11 +367,11 @@ def main() -> None:
     temperature, max_tokens, seed = _sampling()
     prompts, batch, run = st.tabs(["Prompts", "Data file", "Evaluate and export a run"])
     with prompts:
-        _guarded(_prompts_section, model_a, model_b, temperature, max_tokens, seed)
+        guarded(_prompts_section, model_a, model_b, temperature, max_tokens, seed)
     with batch:
-        _guarded(_batch_section, model_a, model_b, temperature, max_tokens, seed)
+        guarded(_batch_section, model_a, model_b, temperature, max_tokens, seed)
     with run:
-        _guarded(_run_section)
+        guarded(_run_section)
 
 
 main()

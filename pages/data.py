@@ -22,7 +22,7 @@ import streamlit as st
 
 from backend import preview, rewards, workspace
 from backend.models import SHIPPED, SMOLLM2, load_tokenizer
-from backend.pages_runtime import is_entry_point
+from backend.pages_runtime import guarded, is_entry_point
 
 UPLOAD_LIMIT_MB = 200
 DEFAULT_SQL = "SELECT data_source, count(*) FROM data GROUP BY 1"
@@ -363,13 +363,6 @@ def _engine_problems(path: Path, stamp: tuple[int, int], summary: dict[str, Any]
     st.caption("A custom_reward_function in the config scores data sources without a built-in reward.")
 
 
-def _guarded(section, *args) -> None:
-    try:
-        section(*args)
-    except Exception as e:  # a section's own bug must not take down the rest of the page
-        st.error(f"{section.__name__.strip('_').replace('_', ' ')} failed: {type(e).__name__}: {e}")
-
-
 def main() -> None:
     if is_entry_point(__file__):
         st.set_page_config(page_title="Data · GRPO Workbench", layout="wide")
@@ -391,13 +384,13 @@ def main() -> None:
         st.error(f"{path}: could not be read ({type(e).__name__}: {e})")
         return
     st.caption(f"Showing `{path}`")
-    _guarded(_overview, summary)
-    _guarded(_first_rows, summary)
-    _guarded(_token_lengths, path, stamp, summary)
-    _guarded(_sources_and_truths, summary)
-    _guarded(_sql_box, path)
-    _guarded(_reward_playground, summary, path)
-    _guarded(_engine_problems, path, stamp, summary)
+    guarded(_overview, summary)
+    guarded(_first_rows, summary)
+    guarded(_token_lengths, path, stamp, summary)
+    guarded(_sources_and_truths, summary)
+    guarded(_sql_box, path)
+    guarded(_reward_playground, summary, path)
+    guarded(_engine_problems, path, stamp, summary)
 
 
 main()
