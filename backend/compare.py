@@ -34,8 +34,8 @@ from backend import data, rewards
 from backend.evaluation import is_correct
 from backend.export import config_get, read_run_config
 from backend.inference import Generator, chat_prompt_ids
-from backend.models import amp_context, load_model, load_tokenizer, pick_device, resolve_model
-from backend.rollout import SamplingParams
+from backend.models import amp_context, is_model_folder, load_model, load_tokenizer, pick_device, resolve_model
+from backend.rollout import HFGenerateEngine, SamplingParams
 
 MAX_CACHED_MODELS = 3
 Progress = Callable[[str, int, int], None]  # (what, done, total)
@@ -108,8 +108,8 @@ def _loaded(model: str, device: str = "auto") -> _Loaded:
         if key in _cache:
             _cache.move_to_end(key)
             return _cache[key]
-        generator = Generator(load_model(key[0], pick_device(device)), load_tokenizer(key[0]))
-        generator.model.eval()
+        tokenizer = load_tokenizer(key[0])
+        generator = Generator(HFGenerateEngine(load_model(key[0], pick_device(device)).eval(), tokenizer), tokenizer)
         _cache[key] = _Loaded(generator)
         while len(_cache) > MAX_CACHED_MODELS:
             _cache.popitem(last=False)
@@ -158,18 +158,17 @@ def stream_text(model: str, prompt: str, params: SamplingParams, *, seed: int = 
     batch decode. Sampling is seeded with `seed` right before generating."""
     loaded = _loaded(model, device)
     gen = loaded.generator
-    ids = torch.tensor([chat_prompt_ids(gen.tokenizer, prompt)], device=next(gen.model.parameters()).device)
-    # The engine's own generation config: the same settings as Generator.generate and the batch compare.
-    config = gen.engine._config(replace(params, n=1))
+    model = gen.engine.model
+    ids = torch.tensor([chat_prompt_ids(gen.tokenizer, prompt)], device=next(model.parameters()).device)
+    # The engine's own generation settings: what Generator.generate and the batch compare use.
+    settings = gen.engine.generation_kwargs(replace(params, n=1, seed=seed), torch.zeros(1, dtype=torch.long))
     streamer = _TokenQueue()
     failure: list[BaseException] = []
 
     def run() -> None:
         try:
             with loaded.lock, torch.no_grad(), amp_context(ids.device):
-                torch.manual_seed(seed)
-                gen.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                                   streamer=streamer)
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), streamer=streamer, **settings)
         except BaseException as e:  # noqa: BLE001 - handed to the consuming thread
             failure.append(e)
         finally:
@@ -282,12 +281,12 @@ class CompareResult:
 def _sample_file(gen: Generator, items: list[dict], params: SamplingParams, *, seed: int, batch_size: int,
                  custom_fn: Callable | None, timeout_s: float, report: Callable[[int], None]) -> list[dict]:
     """k samples per question from one model, each scored by its data source's reward."""
-    torch.manual_seed(seed)
     out: list[dict] = []
     k = params.n
+    params = replace(params, seed=seed)
     for start in range(0, len(items), batch_size):
         chunk = items[start:start + batch_size]
-        batch = gen.engine.generate([it["prompt_ids"] for it in chunk], params)
+        batch = gen.engine.generate([it["prompt_ids"] for it in chunk], params, first_row=start * k)
         texts = gen.tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)
         scored = rewards.score_batch([it["data_source"] for it in chunk for _ in range(k)], texts,
                                      [it["ground_truth"] for it in chunk for _ in range(k)],
@@ -379,10 +378,10 @@ def resolve_checkpoint(run_dir: str | Path, checkpoint: str | Path) -> Path:
     run_dir = Path(run_dir)
     name = str(checkpoint)
     for candidate in (run_dir / "checkpoints" / name, run_dir / name) if "/" not in name else ():
-        if (candidate / "config.json").is_file():
+        if is_model_folder(candidate):
             return candidate
     path = Path(name).expanduser()
-    if (path / "config.json").is_file():
+    if is_model_folder(path):
         return path
     from backend.runs import list_checkpoints
 

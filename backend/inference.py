@@ -7,12 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from backend import data
 from backend.evaluation import EvalResult
 from backend.evaluation import evaluate as _evaluate_items
-from backend.rollout import HFGenerateEngine, SamplingParams
+from backend.rollout import HFGenerateEngine, RolloutEngine, SamplingParams
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
@@ -24,18 +22,18 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 
 class Generator:
-    """A model and its tokenizer ready to answer prompts and to be scored on data files."""
+    """A rollout engine and its tokenizer ready to answer prompts and to be scored on data files."""
 
-    def __init__(self, model, tokenizer, batch_size: int = 32):
-        self.model = model
+    def __init__(self, engine: RolloutEngine, tokenizer):
+        self.engine = engine
         self.tokenizer = tokenizer
-        self.engine = HFGenerateEngine(model, tokenizer, batch_size)
 
     def generate(self, prompts: list[str], *, n: int = 1, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, max_new_tokens: int = 128) -> list[list[str]]:
-        """n answers per prompt (temperature 0 = greedy); one list per prompt."""
+                 top_k: int = 0, max_new_tokens: int = 128, seed: int = 0) -> list[list[str]]:
+        """n answers per prompt (temperature 0 = greedy); one list per prompt. Sampled answers depend only
+        on the seed, the prompt and its place in the list."""
         params = SamplingParams(n=n, temperature=temperature or 1.0, top_p=top_p, top_k=top_k,
-                                max_new_tokens=max_new_tokens, greedy=temperature == 0)
+                                max_new_tokens=max_new_tokens, greedy=temperature == 0, seed=seed)
         batch = self.engine.generate([chat_prompt_ids(self.tokenizer, p) for p in prompts], params)
         texts = self.tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)
         return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
@@ -57,16 +55,16 @@ class Generator:
 def load_generator(model: str, device: str = "auto", batch_size: int = 32) -> Generator:
     from backend.models import load_model, load_tokenizer, pick_device
 
-    return Generator(load_model(model, pick_device(device)), load_tokenizer(model), batch_size)
+    tokenizer = load_tokenizer(model)
+    return Generator(HFGenerateEngine(load_model(model, pick_device(device)), tokenizer, batch_size), tokenizer)
 
 
 def generate(model: str, prompts: str | list[str], *, n: int = 1, temperature: float = 0.0, top_p: float = 1.0,
              max_new_tokens: int = 128, device: str = "auto", seed: int = 0) -> list[list[str]]:
     """Answer prompts with any model (shipped name, run export or checkpoint, local folder, Hub id)."""
-    torch.manual_seed(seed)
     prompts = [prompts] if isinstance(prompts, str) else prompts
     return load_generator(model, device).generate(prompts, n=n, temperature=temperature, top_p=top_p,
-                                                  max_new_tokens=max_new_tokens)
+                                                  max_new_tokens=max_new_tokens, seed=seed)
 
 
 def evaluate(model: str, data_file: str | Path, *, limit: int = 0, max_new_tokens: int = 128,

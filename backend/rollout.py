@@ -10,6 +10,7 @@ The batch layout every later phase uses (B = prompts x n, P = longest prompt, R 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,6 +27,7 @@ class SamplingParams:
     top_k: int = 0
     max_new_tokens: int = 64
     greedy: bool = False
+    seed: int = 0
 
 
 @dataclass
@@ -80,14 +82,76 @@ def response_mask_from_eos(responses: torch.Tensor, eos_ids: list[int]) -> tuple
     return mask, ["stop" if f else "length" for f in finished]
 
 
+# Odd 64-bit multipliers (from splitmix64 and the golden ratio), written as signed int64 values.
+_MIX = [m - (1 << 64) if m >= 1 << 63 else m for m in
+        (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93)]
+
+
+def counter_uniform(seed: int, rows: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
+    """Uniform numbers in (0, 1) that depend only on (seed, row id, position, token id): (b, V).
+
+    A counter-based hash (splitmix64's finaliser over int64, which wraps), so a response's random
+    draws do not depend on which batch, chunk or worker generated it. That makes sampling the same
+    on 1 and N workers and after a resume.
+    """
+    m = torch.tensor(_MIX, dtype=torch.int64, device=rows.device)
+    v = torch.arange(vocab, device=rows.device, dtype=torch.int64)
+    key = torch.tensor([seed, position], dtype=torch.int64, device=rows.device)
+    x = (key[0] * m[0] + key[1] * m[3]) + rows.to(torch.int64).unsqueeze(1) * m[1] + v * m[2]
+    for mul in (m[1], m[2]):
+        x = (x ^ ((x >> 31) & 0x1FFFFFFFF)) * mul
+    x = x ^ ((x >> 29) & 0x7FFFFFFFF)
+    return (((x >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) / float(1 << 24)
+
+
+def warp_logits(scores: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Temperature, then top-k, then nucleus (top-p) filtering of (b, V) logits; cut tokens get -inf."""
+    scores = scores.float() / temperature
+    if top_k and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        # Drop a token when the mass before it already reaches top_p; the likeliest token always stays.
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+class CounterSampler:
+    """A logits processor that turns greedy decoding into sampling by the Gumbel-max trick:
+    argmax(warped logits + Gumbel noise) is a draw from softmax(warped logits). The noise comes from
+    `counter_uniform`, keyed by each row's global id, so a row samples the same tokens wherever it runs."""
+
+    def __init__(self, params: SamplingParams, row_ids: torch.Tensor):
+        self.params = params
+        self.row_ids = row_ids
+        self.start: int | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.start is None:
+            self.start = input_ids.shape[1]
+        p = self.params
+        warped = warp_logits(scores, p.temperature, p.top_k, p.top_p)
+        u = counter_uniform(p.seed, self.row_ids.to(scores.device), input_ids.shape[1] - self.start, scores.shape[-1])
+        return warped - torch.log(-torch.log(u))
+
+
 class HFGenerateEngine:
     """Hugging Face `generate` on the actor's own model object: colocated, so it samples with the
     weights of the latest update and holds no second copy of the model."""
 
-    def __init__(self, model, tokenizer, batch_size: int = 64):
+    def __init__(self, model, tokenizer, batch_size: int = 64, device: torch.device | None = None,
+                 autocast: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        # An FSDP worker names its device (its shards may sit in CPU memory) and computes in the
+        # dtype FSDP gathers in, so it turns autocast off.
+        self.device = device
+        self.autocast = autocast
         eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
             else tokenizer.eos_token_id
         self.eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
@@ -95,14 +159,16 @@ class HFGenerateEngine:
             self.eos_ids.append(tokenizer.eos_token_id)
         self.pad_id = tokenizer.pad_token_id
 
-    def _config(self, params: SamplingParams):
-        from transformers import GenerationConfig
+    def generation_kwargs(self, params: SamplingParams, row_ids: torch.Tensor) -> dict:
+        """What `model.generate` gets besides the inputs, for rows with these global ids."""
+        from transformers import GenerationConfig, LogitsProcessorList
 
-        common = dict(max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
-        if params.greedy:
-            return GenerationConfig(do_sample=False, **common)
-        return GenerationConfig(do_sample=True, temperature=params.temperature, top_p=params.top_p,
-                                top_k=params.top_k or None, **common)
+        # Sampling is done by CounterSampler on top of greedy decoding (see there), so HF's own
+        # warpers and its global-RNG sampler stay off.
+        config = GenerationConfig(do_sample=False, max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_ids,
+                                  pad_token_id=self.pad_id, top_k=None, top_p=None, temperature=None)
+        processors = None if params.greedy else LogitsProcessorList([CounterSampler(params, row_ids)])
+        return {"generation_config": config, "logits_processor": processors}
 
     def _progress_criteria(self, progress, done: int, total: int, max_new_tokens: int):
         """A stopping criterion that never stops: it reports each decoding step, so a watcher sees
@@ -121,12 +187,16 @@ class HFGenerateEngine:
         return StoppingCriteriaList([Report()])
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, progress=None) -> RolloutBatch:
-        device = next(self.model.parameters()).device
+    def generate(self, prompts: list[list[int]], params: SamplingParams, progress=None,
+                 first_row: int = 0) -> RolloutBatch:
+        """`first_row` is the global id of this call's first row (prompt-major, n rows per prompt): the
+        key of each row's random draws, so a worker given a slice of the batch samples what one worker
+        given the whole batch would."""
+        device = self.device or next(self.model.parameters()).device
         rows = [p for p in prompts for _ in range(params.n)]
         prompt_index = torch.arange(len(prompts)).repeat_interleave(params.n)
+        row_ids = torch.arange(first_row, first_row + len(rows))
         prompt_ids, prompt_mask = left_pad(rows, self.pad_id)
-        config = self._config(params)
         was_training = self.model.training
         self.model.eval()
         chunks: list[torch.Tensor] = []
@@ -135,9 +205,9 @@ class HFGenerateEngine:
             mask = prompt_mask[start:start + self.batch_size].to(device)
             criteria = None if progress is None else self._progress_criteria(
                 progress, start, len(rows), params.max_new_tokens)
-            with amp_context(device):
-                out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                          stopping_criteria=criteria)
+            settings = self.generation_kwargs(params, row_ids[start:start + self.batch_size])
+            with amp_context(device) if self.autocast else contextlib.nullcontext():
+                out = self.model.generate(input_ids=ids, attention_mask=mask, stopping_criteria=criteria, **settings)
             chunks.extend(out[:, ids.shape[1]:].cpu())
         self.model.train(was_training)
         width = max(max(len(c) for c in chunks), 1)

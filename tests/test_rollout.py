@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 
 from backend.models import load_model
-from backend.rollout import HFGenerateEngine, SamplingParams, left_pad, response_mask_from_eos
+from backend.rollout import (
+    CounterSampler,
+    HFGenerateEngine,
+    SamplingParams,
+    counter_uniform,
+    left_pad,
+    response_mask_from_eos,
+    warp_logits,
+)
 
 
 def test_response_mask_covers_tokens_up_to_and_including_the_first_eos():
@@ -46,3 +54,38 @@ def test_greedy_generation_is_deterministic(tiny_tokenizer):
     b = engine.generate(prompt, SamplingParams(n=2, max_new_tokens=5, greedy=True))
     assert torch.equal(a.responses, b.responses)
     assert torch.equal(a.responses[0], a.responses[1])
+
+
+def test_counter_noise_is_uniform_and_keyed_by_seed_row_position_and_token():
+    u = counter_uniform(seed=3, rows=torch.arange(2000), position=0, vocab=50)
+    assert u.min() > 0 and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+    same = counter_uniform(seed=3, rows=torch.tensor([7]), position=0, vocab=50)
+    assert torch.equal(same[0], u[7])
+    for other in (counter_uniform(4, torch.tensor([7]), 0, 50), counter_uniform(3, torch.tensor([7]), 1, 50)):
+        assert not torch.equal(other[0], u[7])
+
+
+def test_counter_sampling_draws_tokens_with_the_softmax_probabilities():
+    logits = torch.tensor([[1.0, 2.0, 0.5, -1.0, 0.0]]).repeat(40000, 1)
+    params = SamplingParams(temperature=0.7, seed=5)
+    tokens = CounterSampler(params, torch.arange(40000))(torch.zeros(40000, 3, dtype=torch.long), logits).argmax(-1)
+    freq = torch.bincount(tokens, minlength=5).float() / 40000
+    torch.testing.assert_close(freq, torch.softmax(logits[0] / 0.7, -1), atol=0.01, rtol=0)
+
+
+def test_top_k_and_top_p_cut_the_tail_and_keep_the_likeliest_token():
+    scores = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(warp_logits(scores, 1.0, top_k=2, top_p=1.0)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(warp_logits(scores, 1.0, top_k=0, top_p=0.7)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(warp_logits(scores, 1.0, top_k=0, top_p=0.1)).tolist() == [[False, True, True, True]]
+
+
+def test_a_response_is_the_same_whichever_batch_generates_it(tiny_tokenizer):
+    engine = HFGenerateEngine(load_model("tiny-qwen3", torch.device("cpu")), tiny_tokenizer, batch_size=64)
+    prompts = [tiny_tokenizer(p)["input_ids"] for p in ("2 + 3 =", "what is 7 - 4?", "9 - 1 = ?")]
+    params = SamplingParams(n=2, max_new_tokens=6, seed=11)
+    whole = engine.generate(prompts, params)
+    tail = engine.generate(prompts[1:], params, first_row=2)  # what a second worker would be given
+    assert torch.equal(whole.responses[2:, :tail.responses.shape[1]], tail.responses)
+    assert not torch.equal(whole.responses[0], whole.responses[1])  # two samples of one prompt differ
