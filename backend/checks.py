@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backend import data, rewards
+from backend import checkpoint, data, rewards
 from backend.config import Config, ConfigError
 from backend.models import ModelError, context_length, resolve_model
 
@@ -39,6 +39,8 @@ def preflight(cfg: Config) -> list[str]:
             not (Path(t.resume_from_path) / "trainer_state.json").is_file():
         problems.append(f"trainer.resume_from_path={t.resume_from_path} is not a checkpoint folder "
                         "(no trainer_state.json); checkpoints are runs/<id>/checkpoints/step_N")
+    elif t.resume_mode == "resume_path" and t.resume_from_path:
+        problems.extend(resume_problems(cfg, Path(t.resume_from_path)))
     crf = cfg.custom_reward_function
     if crf.path:
         try:
@@ -52,6 +54,17 @@ def preflight(cfg: Config) -> list[str]:
             except rewards.RewardError as e:
                 problems.append(str(e))
     return problems
+
+
+def resume_problems(cfg: Config, ckpt: Path) -> list[str]:
+    """A sharded checkpoint resumes only on as many workers as wrote it."""
+    written_by = checkpoint.world_size_of(ckpt)
+    world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    if written_by is None or written_by == world:
+        return []
+    return [f"checkpoint {ckpt} was written by {written_by} worker(s) and this run has {world} "
+            f"(trainer.n_gpus_per_node x trainer.nnodes): resume with {written_by}, or merge it "
+            f"(python -m backend merge {ckpt} --output DIR) and start a new run from DIR"]
 
 
 def check_or_raise(cfg: Config) -> None:

@@ -324,6 +324,14 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     x.set_defaults(func=cmd_export)
 
+    m = sub.add_parser("merge", help="merge a sharded checkpoint (one file set per worker) into a plain Hugging Face "
+                                     "folder; the same as export")
+    m.add_argument("checkpoint", help="runs/<id>/checkpoints/step_N")
+    m.add_argument("--output", required=True, help="folder to write (must not exist unless --overwrite)")
+    m.add_argument("--tokenizer", default=None, help="tokenizer source when the checkpoint holds none")
+    m.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    m.set_defaults(func=cmd_export)
+
     c = sub.add_parser("config", help="convert configs to and from verl launch scripts")
     cs = c.add_subparsers(dest="config_command", required=True)
     fv = cs.add_parser("from-verl", help="read a verl launch script (python3 -m verl.trainer.main_ppo key=value ...)")

@@ -81,8 +81,22 @@ class OptimConfig:
 
 
 @dataclass
+class FSDPConfig:
+    param_dtype: str = _f("auto", "Dtype the sharded fp32 weights are gathered and computed in (auto: bf16 on GPUs, "
+                          "fp32 on CPU); gradients are reduced in fp32.", choices=("auto", "bf16", "fp32"))
+    offload_policy: bool = _f(False, "FSDP2 CPU offload: weights, gradients and optimizer state live in CPU memory "
+                              "and the optimizer steps there; saves GPU memory, costs speed.")
+
+
+@dataclass
+class RefFSDPConfig:
+    offload_policy: bool = _f(False, "Keep the reference model's shards in CPU memory between uses.")
+
+
+@dataclass
 class ActorConfig:
     optim: OptimConfig = _section(OptimConfig)
+    fsdp_config: FSDPConfig = _section(FSDPConfig)
     ppo_mini_batch_size: int = _f(4, "Prompts per optimizer step (times rollout.n responses).", min=1)
     ppo_micro_batch_size_per_gpu: int = _f(8, "Responses per forward/backward pass (gradient accumulation).",
                                            min=1)
@@ -106,6 +120,7 @@ class ActorConfig:
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = _f(16, "Responses per reference forward pass.", min=1)
+    fsdp_config: RefFSDPConfig = _section(RefFSDPConfig)
 
 
 @dataclass
@@ -165,6 +180,13 @@ class RewardConfig:
 # ---- trainer ----
 
 @dataclass
+class DebugConfig:
+    attach_rank: int = _f(-1, "Worker rank that waits for a debugger (debugpy) to attach; -1 = off.", min=-1)
+    attach_step: int = _f(1, "Training step at whose start that worker waits.", min=1)
+    port: int = _f(5678, "Port the waiting worker listens on (on its node's address).", min=1)
+
+
+@dataclass
 class TrainerConfig:
     project_name: str = _f("grpo-workbench", "Project name (grouping for trackers).")
     experiment_name: str = _f("", "Run name; the run directory is named from it when set.")
@@ -187,8 +209,11 @@ class TrainerConfig:
     runs_root: str = _f("runs", "Folder that holds run directories.")
     device: str = _f("auto", "auto picks cuda when present, else cpu.", choices=("auto", "cpu", "cuda"))
     seed: int = _f(0, "Seed of sampling and initialisation.")
-    n_gpus_per_node: int = _f(1, "Workers per node (GPUs, or processes on CPU).", min=1)
-    nnodes: int = _f(1, "Nodes.", min=1)
+    n_gpus_per_node: int = _f(1, "Workers per node: GPUs, or processes when trainer.device is cpu.", min=1)
+    nnodes: int = _f(1, "Nodes of the Ray cluster to use.", min=1)
+    ray_address: str = _f("", "Ray cluster to join (host:6379, or auto for the one `ray start` made on this "
+                          "machine); empty starts a private Ray in the training process.")
+    debug: DebugConfig = _section(DebugConfig)
 
 
 @dataclass
@@ -509,9 +534,12 @@ def validate_config(cfg: Config) -> None:
     from backend.trackers import check_trackers  # trackers reads configs; imported here to avoid a cycle
 
     problems.extend(check_trackers(cfg.trainer.logger))
-    if cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes != 1:
-        problems.append("trainer.n_gpus_per_node x trainer.nnodes must be 1 for now: this engine runs one "
-                        "worker (distributed workers are not built yet)")
+    if cfg.trainer.nnodes > 1 and not cfg.trainer.ray_address:
+        problems.append(f"trainer.nnodes={cfg.trainer.nnodes} needs a Ray cluster: set trainer.ray_address to its "
+                        "head (ray start --head on one node, ray start --address=HEAD:6379 on the others)")
+    if world >= 1 and cfg.trainer.debug.attach_rank >= world:
+        problems.append(f"trainer.debug.attach_rank={cfg.trainer.debug.attach_rank} is not a worker rank: this run "
+                        f"has ranks 0 to {world - 1}")
     if problems:
         raise ConfigError(problems)
 

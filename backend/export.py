@@ -1,15 +1,13 @@
 """Turning a run's checkpoint into a plain Hugging Face model folder, and finding models to pick from.
 
-A checkpoint (`<run>/checkpoints/step_N/`) holds the weights as `save_pretrained` wrote them plus the
-optimizer state (`optim.pt`) and the trainer's position (`trainer_state.json`), but no tokenizer: the
-tokenizer is the base model's, named in the run's `config.yaml` two folders up. `export_checkpoint`
-copies the weights and configs, adds that tokenizer and a model card (`README.md`) that records where
-the model came from: base model, resolved config, training data, step and the evaluations of the run.
-The result loads with `AutoModelForCausalLM.from_pretrained(folder)` alone.
+A run checkpoint (`<run>/checkpoints/step_N/`) is sharded, one file set per worker (backend.checkpoint
+has the layout); `export_checkpoint` merges the shards into full weights and writes them with the config,
+the tokenizer and a model card (`README.md`) that records where the model came from: base model, resolved
+config, training data, step and the evaluations of the run. It also takes a run's export/ or any Hugging
+Face folder. The result loads with `AutoModelForCausalLM.from_pretrained(folder)` alone.
 
 `tokenizer_source` is the same lookup for anything that loads a checkpoint directly (the compare page,
-`python -m backend eval --run-dir`).
-"""
+`python -m backend eval --run-dir`): the checkpoint's own huggingface/ tokenizer, else the run's config."""
 
 from __future__ import annotations
 
@@ -22,10 +20,11 @@ from typing import Any
 
 import yaml
 
+from backend import checkpoint
 from backend.models import SHIPPED, SMOLLM2, ModelError, load_tokenizer
 
 # Files of a checkpoint that are training state, not model: left out of an export.
-TRAINING_STATE = {"optim.pt", "trainer_state.json"}
+TRAINING_STATE = {"optim.pt", "trainer_state.json"}  # and extra_state_rank_*.pt of sharded checkpoints
 # Written fresh by the export, so a copied one would be stale.
 REWRITTEN = {"README.md", "grpo_workbench.json"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -83,6 +82,8 @@ def tokenizer_source(model: str | Path) -> str:
     path = Path(str(model)).expanduser()
     if not path.is_dir() or has_tokenizer(path):
         return str(model)
+    if has_tokenizer(path / checkpoint.HF):
+        return str(path / checkpoint.HF)
     run_dir = run_dir_of(path)
     if run_dir is not None:
         cfg = read_run_config(run_dir)
@@ -139,8 +140,11 @@ def export_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, *, tok
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
+        if checkpoint.is_sharded(source):
+            checkpoint.merge(source, tmp)
         for item in sorted(source.iterdir()):
-            if item.is_file() and item.name not in TRAINING_STATE | REWRITTEN and not item.name.startswith("."):
+            if item.is_file() and item.name not in TRAINING_STATE | REWRITTEN and not item.name.startswith(".") \
+                    and not item.name.startswith("extra_state_rank_"):
                 shutil.copy2(item, tmp / item.name)
         if not has_tokenizer(tmp):
             try:
@@ -166,6 +170,10 @@ def export_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, *, tok
 def _check_source(source: Path) -> None:
     if not source.is_dir():
         raise ExportError(f"checkpoint folder {source} does not exist")
+    if checkpoint.is_sharded(source):
+        if not (source / checkpoint.HF / "config.json").is_file():
+            raise ExportError(f"{source} has shards but no {checkpoint.HF}/config.json: the checkpoint is incomplete")
+        return
     if not (source / "config.json").is_file():
         raise ExportError(f"{source} has no config.json: point at a checkpoint (runs/<id>/checkpoints/step_N), "
                           "a run's export/ or a Hugging Face model folder")

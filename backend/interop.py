@@ -190,9 +190,6 @@ def from_verl_script(text: str) -> tuple[dict, list[str]]:
                              f"choose from {', '.join(TRACKERS)}")
             # metrics.jsonl is what the dashboard reads, so it is always on
             value = [v for v in value if v in TRACKERS and v != "jsonl"] + ["jsonl"]
-        if key in ("trainer.n_gpus_per_node", "trainer.nnodes") and value != 1:
-            notes.append(f"{arg}: this engine runs one worker; kept at 1")
-            continue
         try:
             value = C._coerce(value, tp)
         except TypeError:

@@ -39,6 +39,12 @@ def cache_dir() -> Path:
     return Path(root) / "models"
 
 
+def is_model_folder(folder: str | Path) -> bool:
+    """A Hugging Face model folder (config.json) or a sharded run checkpoint (backend.checkpoint)."""
+    folder = Path(folder)
+    return (folder / "config.json").is_file() or (folder / "huggingface" / "config.json").is_file()
+
+
 def resolve_model(name_or_path: str) -> str:
     """Turn a config's model name into something `from_pretrained` loads: a shipped name becomes its
     cached folder (made on first use), a local folder stays, anything else is taken as a Hub id."""
@@ -49,7 +55,7 @@ def resolve_model(name_or_path: str) -> str:
         return str(target)
     path = Path(name_or_path).expanduser()
     if path.exists():
-        if not (path / "config.json").is_file():
+        if not is_model_folder(path):
             raise ModelError(f"model folder {path} has no config.json: point at a Hugging Face model folder "
                              f"(config.json + safetensors), or use one of {', '.join(SHIPPED)}")
         return str(path)
@@ -186,7 +192,11 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype = tor
     through `amp_context`, and plain generation on CPU wants fp32)."""
     from transformers import AutoModelForCausalLM
 
+    from backend import checkpoint
+
     source = resolve_model(name_or_path)
+    if checkpoint.is_sharded(source):
+        return checkpoint.load_merged_model(source, dtype).to(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except OSError as e:
@@ -199,5 +209,8 @@ def context_length(name_or_path: str) -> int | None:
     """The model's maximum positions, read from its config without loading weights."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(resolve_model(name_or_path))
+    source = Path(resolve_model(name_or_path))
+    if (source / "huggingface" / "config.json").is_file():  # a sharded run checkpoint
+        source = source / "huggingface"
+    config = AutoConfig.from_pretrained(source)
     return getattr(config, "max_position_embeddings", None)

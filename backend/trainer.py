@@ -23,15 +23,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from backend import algos, data, rewards, trackers
-from backend.checks import check_or_raise
+from backend import algos, checkpoint, data, rewards, trackers
+from backend.checks import check_or_raise, resume_problems
 from backend.config import Config, ConfigError, batch_plan, to_yaml, validate_config
 from backend.evaluation import evaluate
 from backend.inference import Generator
-from backend.models import load_tokenizer, pick_device
-from backend.rollout import HFGenerateEngine, RolloutBatch, SamplingParams
+from backend.models import load_tokenizer
+from backend.rollout import RolloutBatch, SamplingParams
 from backend.runs import RunDir, latest_checkpoint, new_run_dir, read_status
-from backend.workers import ActorWorker, RefWorker
+from backend.worker_group import WorkerGroup
 
 
 class RunStopped(Exception):
@@ -59,7 +59,8 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 class Trainer:
     """One run: its workers, data and run directory. `train()` runs it; `evaluate`, `generate` and
-    `export` work before, during (between steps) or after training, on the current weights."""
+    `export` work before, during (between steps) or after training, on the current weights. The
+    workers (Ray actors) live until `close()`, the end of a `with` block, or the Trainer is dropped."""
 
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, *, show_progress: bool = True):
         validate_config(cfg)
@@ -73,6 +74,9 @@ class Trainer:
         if status and status.get("state") == "running" and _alive(status.get("pid")):
             raise ConfigError([f"run directory {run_dir} is in use by a running process (pid {status['pid']})"])
         self.cfg = cfg
+        a = cfg.actor_rollout_ref.actor
+        self.clip_low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
+        self.clip_high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
         self.run = RunDir(run_dir)
         self.show_progress = show_progress
         self._last_stage_write = 0.0
@@ -102,7 +106,6 @@ class Trainer:
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         self.run.create()
         self.run.config.write_text(to_yaml(cfg))
-        self.device = pick_device(cfg.trainer.device)
         self.stage("loading data", force=True)
         self.tokenizer = load_tokenizer(arr.model.path, arr.model.tokenizer_path)
         self.train_set = self._dataset(cfg.data.train_files)
@@ -116,17 +119,20 @@ class Trainer:
         if cfg.custom_reward_function.path:
             self.custom_fn = rewards.load_custom_reward(cfg.custom_reward_function.path,
                                                         cfg.custom_reward_function.name)
-        self.stage("loading models", force=True)
+        ckpt = self._resume_point()
+        if ckpt is not None and resume_problems(cfg, ckpt):
+            raise ConfigError(resume_problems(cfg, ckpt))
+        world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+        self.stage(f"starting {world} worker(s) and loading models", force=True)
         seed_everything(cfg.trainer.seed)
-        self.actor = ActorWorker(cfg, self.device, self.total_steps)
-        needs_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        self.ref = RefWorker(cfg, self.device) if needs_ref else None
-        self.rollout = HFGenerateEngine(self.actor.model, self.tokenizer, arr.rollout.generation_batch_size)
+        self.workers = WorkerGroup(cfg, self.total_steps)
+        self.run.write_status("running", workers=self.workers.where)
+        self.has_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        self.rollout = self.workers  # the group is the rollout engine: each rank generates its share
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (algos.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive"
                         else algos.FixedKLController(kl.kl_coef))
         self.start_step = 0
-        ckpt = self._resume_point()
         if ckpt is not None:
             self.stage(f"resuming from {ckpt.name}", force=True)
             self._load(ckpt)
@@ -171,6 +177,7 @@ class Trainer:
             self.run.write_status("stopped", stage="stopped", finished=time.time())
             raise
         except BaseException as e:
+            self.close()
             self.run.write_status("failed", stage="failed", finished=time.time(),
                                   error=f"{type(e).__name__}: {e}",
                                   traceback="".join(traceback.format_exc().splitlines(True)[-30:]))
@@ -188,6 +195,8 @@ class Trainer:
                    disable=not self.show_progress, dynamic_ncols=True)
         for step in range(self.start_step + 1, self.total_steps + 1):
             self._step = step
+            if t.debug.attach_rank >= 0 and step == t.debug.attach_step:
+                self._wait_for_debugger(t.debug.attach_rank, t.debug.port)
             metrics = self.train_step(step)
             last = step == self.total_steps
             if self.val_items and ((t.test_freq and step % t.test_freq == 0) or last):
@@ -202,6 +211,17 @@ class Trainer:
             bar.write(summary_line(metrics, self.total_steps))
         bar.close()
         return metrics
+
+    def _wait_for_debugger(self, rank: int, port: int) -> None:
+        host, port = self.workers.attach_debugger(rank, port)
+        where = f"{host}:{port}"
+        message = (f"worker rank {rank} is waiting for a debugger at {where} (VS Code: 'Python Debugger: Remote "
+                   f"Attach' to that host and port); step {self._step} starts once one attaches")
+        print(message, flush=True)
+        self.run.write_status("running", debugger=where)
+        self.stage(message, force=True)
+        self.workers.wait_for_debugger(rank, heartbeat=lambda: self.stage(message))
+        self.run.write_status("running", debugger=None)
 
     def _log_metrics(self, metrics: dict) -> None:
         """metrics.jsonl first (the run directory contract), then the trackers of trainer.logger."""
@@ -224,7 +244,8 @@ class Trainer:
             with timer("gen", timings):
                 params = SamplingParams(n=arr.rollout.n, temperature=arr.rollout.temperature,
                                         top_p=arr.rollout.top_p, top_k=arr.rollout.top_k,
-                                        max_new_tokens=cfg.data.max_response_length)
+                                        max_new_tokens=cfg.data.max_response_length,
+                                        seed=cfg.trainer.seed * 1_000_003 + step)
                 batch = self.rollout.generate([it["prompt_ids"] for it in items], params,
                                               progress=self._generation_stage)
             group_ids = batch.prompt_index
@@ -250,11 +271,11 @@ class Trainer:
             if plan.optimizer_steps_per_step > 1:
                 with timer("old_log_prob", timings):
                     self.stage("computing old log-probs", force=True)
-                    tensors["old_log_probs"], _ = self.actor.compute_log_prob(tensors)
-            if self.ref is not None:
+                    tensors["old_log_probs"], _ = self.workers.compute_log_prob(tensors)
+            if self.has_ref:
                 with timer("ref", timings):
                     self.stage("computing reference log-probs", force=True)
-                    tensors["ref_log_probs"] = self.ref.compute_ref_log_prob(tensors)
+                    tensors["ref_log_probs"] = self.workers.compute_ref_log_prob(tensors)
 
             # ---- advantages ----
             with timer("adv", timings):
@@ -263,7 +284,7 @@ class Trainer:
                 if cfg.algorithm.use_kl_in_reward:
                     old = tensors.get("old_log_probs")
                     if old is None:
-                        old, _ = self.actor.compute_log_prob(tensors)
+                        old, _ = self.workers.compute_log_prob(tensors)
                     token_level_rewards, kl_metrics = algos.apply_kl_penalty(
                         token_level_scores, old, tensors["ref_log_probs"], response_mask, self.kl_ctrl.value,
                         cfg.algorithm.kl_penalty)
@@ -277,8 +298,10 @@ class Trainer:
             # ---- update ----
             token_sample = self._token_sample(tensors)
             with timer("update_actor", timings):
-                actor_metrics = self.actor.update_actor(
-                    tensors, progress=lambda d, n: self.stage(f"updating micro-batch {d}/{n}"))
+                a = arr.actor
+                actor_metrics = self.workers.update_actor(
+                    tensors, mini_rows=a.ppo_mini_batch_size * arr.rollout.n, epochs=a.ppo_epochs, shuffle=a.shuffle,
+                    progress=lambda d, n: self.stage(f"updating micro-batch {d}/{n} (rank 0)"))
             if token_sample is not None:
                 with timer("token_log", timings):
                     self.run.write_token_log(step, self._token_rows(token_sample))
@@ -305,16 +328,16 @@ class Trainer:
         if k == 0:
             return None
         sample = {key: value[:k] for key, value in tensors.items()}
-        sample["before_log_probs"], sample["entropy"] = self.actor.compute_log_prob(sample)
+        sample["before_log_probs"], sample["entropy"] = self.workers.compute_log_prob(sample)
         return sample
 
     def _token_rows(self, sample: dict[str, torch.Tensor]) -> dict[str, list]:
         """Per-token quantities of the sampled responses; `clipped` marks tokens whose ratio after the
         update lies outside the clip range in the direction the advantage pushes (where PPO stops)."""
-        after, _ = self.actor.compute_log_prob(sample)
+        after, _ = self.workers.compute_log_prob(sample)
         before, adv = sample["before_log_probs"], sample["advantages"]
         ratio = torch.exp(after - before)
-        clipped = ((adv > 0) & (ratio > 1 + self.actor.clip_high)) | ((adv < 0) & (ratio < 1 - self.actor.clip_low))
+        clipped = ((adv > 0) & (ratio > 1 + self.clip_high)) | ((adv < 0) & (ratio < 1 - self.clip_low))
         ref = sample.get("ref_log_probs")
         rows: dict[str, list] = {key: [] for key in ("row", "token_ids", "tokens", "log_prob", "ref_log_prob", "kl",
                                                      "entropy", "advantage", "clipped")}
@@ -362,20 +385,22 @@ class Trainer:
                                           max_new_tokens=max_new_tokens or self.cfg.data.max_response_length)
 
     def _generator(self) -> Generator:
-        return Generator(self.actor.model, self.tokenizer, self.cfg.data.val_batch_size)
+        return Generator(self.workers, self.tokenizer)
 
     def save(self, step: int) -> Path:
+        """A sharded checkpoint (backend.checkpoint has the layout): each rank writes its own files."""
         self.stage(f"saving checkpoint step_{step}", force=True)
         tmp = self.run.begin_checkpoint(step)
-        self.actor.save_checkpoint(tmp)
+        self.workers.save_checkpoint(tmp)
+        self.tokenizer.save_pretrained(tmp / checkpoint.HF)
         state = {"step": step, "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctrl.value,
-                 "seed": self.cfg.trainer.seed}
+                 "seed": self.cfg.trainer.seed, "world_size": self.workers.world_size}
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         return self.run.commit_checkpoint(tmp, step, self.cfg.trainer.max_checkpoints_to_keep)
 
     def _load(self, ckpt: Path) -> None:
         state = json.loads((ckpt / "trainer_state.json").read_text())
-        self.actor.load_checkpoint(ckpt)
+        self.workers.load_checkpoint(ckpt)
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.value = state["kl_coef"]
         self.start_step = self._step = state["step"]
@@ -388,10 +413,23 @@ class Trainer:
         tmp = folder.with_name(f".{folder.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        self.actor.export(tmp, self.tokenizer)
+        self.workers.export(tmp)
+        self.tokenizer.save_pretrained(tmp)
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
         return folder
+
+    def close(self) -> None:
+        """Stop the workers; a later call that needs them starts them again from the base model."""
+        if self._ready:
+            self.workers.shutdown()
+            self._ready = False
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 # ---- helpers of the loop ----

@@ -1,21 +1,28 @@
-"""The actor (policy being trained) and the reference (frozen start point), as workers.
+"""The worker: one rank of the run, holding the actor (FSDP2-sharded policy and its optimizer), the
+reference (sharded the same way, no optimizer) and the rollout engine that samples with the actor's
+own gathered weights (colocated, as verl's ActorRolloutRefWorker).
 
-The trainer talks to them only through methods that take and return dicts of tensors
-(`compute_log_prob`, `compute_ref_log_prob`, `update_actor`, `save_checkpoint`, ...), so moving
-them into separate processes changes how they are called, not what they do.
+It runs as a Ray actor (see worker_group), but it is a plain class: every method takes and returns
+tensors and dicts, and the collective ones (everything that runs the model except generation) must be
+called on all ranks with the same number of rows. backend.distributed says what each phase holds
+in memory.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 from pathlib import Path
 
+import ray
 import torch
 
-from backend import algos
-from backend.config import Config
-from backend.models import amp_context, load_model
+from backend import algos, checkpoint, distributed
+from backend.config import Config, from_dict
+from backend.models import load_model, load_tokenizer
+from backend.rollout import HFGenerateEngine, SamplingParams
 
 Batch = dict[str, torch.Tensor]
 
@@ -61,76 +68,119 @@ def _lr_lambda(warmup: int, total: int, style: str, min_ratio: float):
     return f
 
 
-class RefWorker:
-    """A frozen copy of the starting policy; its log-probs anchor the KL term."""
+class ActorRolloutRefWorker:
+    """Rank `rank` of `world_size`. `device` is "cuda" (the one GPU Ray gave this process) or "cpu"."""
 
-    def __init__(self, cfg: Config, device: torch.device):
-        # Same weights and precision as the actor, so the KL is exactly 0 before the first update.
-        self.model = load_model(cfg.actor_rollout_ref.model.path, device).eval().requires_grad_(False)
-        self.micro = cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
-        self.temperature = cfg.actor_rollout_ref.rollout.temperature
-        self.device = device
+    def __init__(self, cfg: dict, rank: int, world_size: int, master_addr: str, master_port: int,
+                 device: str, total_steps: int):
+        from transformers.utils import logging as hf_logging
 
-    @torch.no_grad()
-    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
-        """(B, R) log-probs of the responses under the reference model."""
-        response_len = batch["responses"].shape[1]
-        with amp_context(self.device):
-            parts = [response_log_probs(self.model, mb["input_ids"].to(self.device),
-                                        mb["attention_mask"].to(self.device), response_len, self.temperature)[0]
-                     for mb in _micro_batches(batch, self.micro)]
-        return torch.cat(parts).cpu()
+        hf_logging.disable_progress_bar()  # per-file bars from every rank would flood the run's log
+        self.cfg: Config = from_dict(cfg)
+        arr = self.cfg.actor_rollout_ref
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        distributed.init_process_group(rank, world_size, master_addr, master_port, self.device)
+        torch.manual_seed(self.cfg.trainer.seed)
+        dtype = distributed.param_dtype(arr.actor.fsdp_config.param_dtype, self.device)
 
-
-class ActorWorker:
-    """The policy: computes log-probs, runs the PPO-clip update, saves and restores itself."""
-
-    def __init__(self, cfg: Config, device: torch.device, total_steps: int):
-        arr = cfg.actor_rollout_ref
-        self.cfg = cfg
-        self.device = device
-        self.model = load_model(arr.model.path, device)  # fp32 master weights; bf16 compute on GPU
+        self.actor = load_model(arr.model.path, torch.device("cpu"))  # fp32 master weights, sharded below
         if arr.model.enable_gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.model.train()
+            self.actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        distributed.shard_model(self.actor, self.device, dtype, offload=arr.actor.fsdp_config.offload_policy)
+        self.actor.train()
         opt = arr.actor.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
+        self.optimizer = torch.optim.AdamW(self.actor.parameters(), lr=opt.lr, betas=tuple(opt.betas),
                                            weight_decay=opt.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_lambda(opt.lr_warmup_steps, total_steps, opt.warmup_style, opt.min_lr_ratio))
+
+        self.ref = None
+        if arr.actor.use_kl_loss or self.cfg.algorithm.use_kl_in_reward:
+            # Same weights and dtype as the actor, so the KL is exactly 0 before the first update.
+            self.ref = load_model(arr.model.path, torch.device("cpu")).eval().requires_grad_(False)
+            distributed.shard_model(self.ref, self.device, dtype, offload=arr.ref.fsdp_config.offload_policy)
+
+        self.tokenizer = load_tokenizer(arr.model.path, arr.model.tokenizer_path)
+        self.rollout = HFGenerateEngine(self.actor, self.tokenizer, arr.rollout.generation_batch_size,
+                                        device=self.device, autocast=False)
         self.temperature = arr.rollout.temperature
         a = arr.actor
         self.clip_low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
         self.clip_high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
+        self._progress: tuple = ()
+
+    # ---- where this worker is, how far it got (read by the controller while a call runs) ----
+
+    @ray.method(concurrency_group="monitor")
+    def where(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                "ip": _node_ip(), "device": str(self.device)}
+
+    @ray.method(concurrency_group="monitor")
+    def progress(self) -> tuple:
+        return self._progress
+
+    def _report(self, *state) -> None:
+        self._progress = state
+
+    # ---- rollout ----
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, first_row: int) -> dict:
+        """Responses to this rank's prompts, sampled with the current weights gathered once for the
+        whole generation (no collectives while decoding, so ranks finish independently)."""
+        self._progress = ()
+        if not prompts:
+            return {}
+        with distributed.unsharded(self.actor):
+            batch = self.rollout.generate(prompts, params, first_row=first_row,
+                                          progress=lambda *p: self._report("generation", *p))
+        return {"responses": batch.responses, "response_mask": batch.response_mask,
+                "finish_reasons": batch.finish_reasons}
+
+    # ---- log-probs ----
 
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, R) log-probs of the responses under the current policy, and the entropy per position."""
-        self.model.eval()
-        response_len = batch["responses"].shape[1]
+        """(b, R) log-probs of the responses under the current policy, and the entropy per position."""
+        self.actor.eval()
         micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
         lps, ents = [], []
         for mb in _micro_batches(batch, micro):
-            with amp_context(self.device):
-                lp, ent = response_log_probs(self.model, mb["input_ids"].to(self.device),
-                                             mb["attention_mask"].to(self.device), response_len,
-                                             self.temperature, with_entropy=True)
+            lp, ent = response_log_probs(self.actor, mb["input_ids"].to(self.device),
+                                         mb["attention_mask"].to(self.device), batch["responses"].shape[1],
+                                         self.temperature, with_entropy=True)
             lps.append(lp.cpu())
             ents.append(ent.cpu())
-        self.model.train()
+        self.actor.reshard()  # FSDP keeps the root's parameters gathered after a forward without backward
+        self.actor.train()
         return torch.cat(lps), torch.cat(ents)
 
-    def update_actor(self, batch: Batch, generator: torch.Generator | None = None, progress=None) -> dict[str, float]:
-        """PPO-clip update over mini-batches and micro-batches; returns the actor/* metrics.
+    @torch.no_grad()
+    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
+        """(b, R) log-probs of the responses under the reference model."""
+        micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        parts = [response_log_probs(self.ref, mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device),
+                                    batch["responses"].shape[1], self.temperature)[0].cpu()
+                 for mb in _micro_batches(batch, micro)]
+        self.ref.reshard()
+        return torch.cat(parts)
 
-        batch holds input_ids, attention_mask, responses, response_mask, advantages and, when the
-        step takes more than one optimizer step, old_log_probs; ref_log_probs when the KL loss is on.
-        Without old_log_probs the update is on-policy: the ratio is exactly 1 and only its gradient counts.
+    # ---- the update ----
+
+    def update_actor(self, batch: Batch, mini_rows: int) -> dict[str, float]:
+        """PPO-clip update; returns this rank's actor/* metrics.
+
+        batch: this rank's rows, already in update order (the controller shuffles and gives each rank
+        an equal part of every mini-batch), holding input_ids, attention_mask, responses, response_mask,
+        advantages, and old_log_probs / ref_log_probs when used. Every `mini_rows` rows are one optimizer
+        step; FSDP averages the gradients over ranks, so a step's gradient is that of the whole
+        mini-batch's mean loss. Without old_log_probs the update is on-policy: the ratio is exactly 1
+        and only its gradient counts.
         """
+        self._progress = ()
         a = self.cfg.actor_rollout_ref.actor
-        n = self.cfg.actor_rollout_ref.rollout.n
-        mini_size = a.ppo_mini_batch_size * n
-        micro_size = a.ppo_micro_batch_size_per_gpu
         total = batch["responses"].shape[0]
         response_len = batch["responses"].shape[1]
         sums: dict[str, float] = {}
@@ -140,87 +190,99 @@ class ActorWorker:
             sums[name] = sums.get(name, 0.0) + value
             counts[name] = counts.get(name, 0) + 1
 
-        n_minis = total // mini_size
-        n_micro_total = a.ppo_epochs * n_minis * (mini_size // micro_size)
-        done = 0
-        skipped = 0
-        for _ in range(a.ppo_epochs):
-            order = torch.randperm(total, generator=generator) if a.shuffle else torch.arange(total)
-            for m in range(n_minis):
-                mini = {k: v[order[m * mini_size:(m + 1) * mini_size]] for k, v in batch.items()}
+        n_micro_total = math.ceil(total / a.ppo_micro_batch_size_per_gpu)
+        done = skipped = 0
+        for start in range(0, total, mini_rows):
+            mini = {k: v[start:start + mini_rows] for k, v in batch.items()}
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb in _micro_batches(mini, a.ppo_micro_batch_size_per_gpu):
+                mb = {k: v.to(self.device) for k, v in mb.items()}
+                mask = mb["response_mask"].float()
+                log_probs, entropy = response_log_probs(
+                    self.actor, mb["input_ids"], mb["attention_mask"], response_len, self.temperature,
+                    with_entropy=True, entropy_grad=a.entropy_coeff > 0)
+                old = mb.get("old_log_probs", log_probs.detach())
+                pg_loss, pg_metrics = algos.compute_policy_loss(
+                    old, log_probs, mb["advantages"], mask, clip_ratio_low=self.clip_low,
+                    clip_ratio_high=self.clip_high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode)
+                loss = pg_loss
+                entropy_loss = algos.agg_loss(entropy, mask, a.loss_agg_mode)
+                if a.entropy_coeff:
+                    loss = loss - a.entropy_coeff * entropy_loss
+                if a.use_kl_loss:
+                    kl = algos.kl_penalty(log_probs, mb["ref_log_probs"], a.kl_loss_type)
+                    kl_loss = algos.agg_loss(kl, mask, a.loss_agg_mode)
+                    loss = loss + a.kl_loss_coef * kl_loss
+                    add("actor/kl_loss", kl_loss.item())
+                    add("actor/kl_coef", a.kl_loss_coef)
+                # Each micro-batch's mean is weighted by its share of the mini-batch, so the
+                # accumulated gradient is that of the mini-batch's mean loss.
+                (loss * mb["responses"].shape[0] / mini["responses"].shape[0]).backward()
+                add("actor/pg_loss", pg_loss.item())
+                add("actor/entropy", entropy_loss.item())
+                for k, v in pg_metrics.items():
+                    add(k, v)
+                done += 1
+                self._report("the actor update", done, n_micro_total)
+            grad_norm = distributed.global_grad_norm(self.actor.parameters(), a.grad_clip)
+            if torch.isfinite(grad_norm):
+                self.optimizer.step()
+            else:
+                skipped += 1
                 self.optimizer.zero_grad(set_to_none=True)
-                for mb in _micro_batches(mini, micro_size):
-                    mb = {k: v.to(self.device) for k, v in mb.items()}
-                    mask = mb["response_mask"].float()
-                    with amp_context(self.device):
-                        log_probs, entropy = response_log_probs(
-                            self.model, mb["input_ids"], mb["attention_mask"], response_len, self.temperature,
-                            with_entropy=True, entropy_grad=a.entropy_coeff > 0)
-                    old = mb.get("old_log_probs", log_probs.detach())
-                    pg_loss, pg_metrics = algos.compute_policy_loss(
-                        old, log_probs, mb["advantages"], mask, clip_ratio_low=self.clip_low,
-                        clip_ratio_high=self.clip_high, clip_ratio_c=a.clip_ratio_c,
-                        loss_agg_mode=a.loss_agg_mode)
-                    loss = pg_loss
-                    entropy_loss = algos.agg_loss(entropy, mask, a.loss_agg_mode)
-                    if a.entropy_coeff:
-                        loss = loss - a.entropy_coeff * entropy_loss
-                    if a.use_kl_loss:
-                        kl = algos.kl_penalty(log_probs, mb["ref_log_probs"], a.kl_loss_type)
-                        kl_loss = algos.agg_loss(kl, mask, a.loss_agg_mode)
-                        loss = loss + a.kl_loss_coef * kl_loss
-                        add("actor/kl_loss", kl_loss.item())
-                        add("actor/kl_coef", a.kl_loss_coef)
-                    # Each micro-batch's mean is weighted by its share of the mini-batch, so the
-                    # accumulated gradient is that of the mini-batch's mean loss.
-                    (loss * mb["responses"].shape[0] / mini_size).backward()
-                    add("actor/pg_loss", pg_loss.item())
-                    add("actor/entropy", entropy_loss.item())
-                    for k, v in pg_metrics.items():
-                        add(k, v)
-                    done += 1
-                    if progress is not None:
-                        progress(done, n_micro_total)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
-                if torch.isfinite(grad_norm):
-                    self.optimizer.step()
-                else:
-                    skipped += 1
-                    self.optimizer.zero_grad(set_to_none=True)
-                add("actor/grad_norm", grad_norm.item())
+            add("actor/grad_norm", grad_norm.item())
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         metrics = {k: sums[k] / counts[k] for k in sums}
         metrics["actor/lr"] = lr
         metrics["actor/skipped_steps"] = float(skipped)
+        metrics.update(self.memory())
         return metrics
 
-    # ---- checkpoints ----
+    def memory(self) -> dict[str, float]:
+        """Peak GPU memory of this rank since the last call, in GiB (nothing on CPU)."""
+        if self.device.type != "cuda":
+            return {}
+        out = {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+               "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
+        torch.cuda.reset_peak_memory_stats()
+        return out
 
-    def save_checkpoint(self, folder: Path) -> None:
-        """Weights as a Hugging Face folder (loadable as a model on its own), plus optimizer and scheduler."""
-        self.model.save_pretrained(folder)
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                   folder / "optim.pt")
+    # ---- checkpoints and export ----
 
-    def load_checkpoint(self, folder: Path) -> None:
-        from safetensors.torch import load_file
+    def save_checkpoint(self, folder: str) -> None:
+        checkpoint.save_sharded(Path(folder), self.actor, self.optimizer, self.scheduler, self.rank)
 
-        state = {}
-        for shard in sorted(folder.glob("*.safetensors")):
-            state.update(load_file(shard, device=str(self.device)))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
-        if unexpected or any(k not in tied and "lm_head" not in k for k in missing):
-            raise RuntimeError(f"checkpoint {folder} does not match the model: missing {missing}, "
-                               f"unexpected {unexpected}")
-        self.model.tie_weights()
-        opt = torch.load(folder / "optim.pt", map_location=self.device, weights_only=True)
-        self.optimizer.load_state_dict(opt["optimizer"])
-        self.scheduler.load_state_dict(opt["scheduler"])
+    def load_checkpoint(self, folder: str) -> None:
+        checkpoint.load_sharded(Path(folder), self.actor, self.optimizer, self.scheduler, self.rank)
 
-    def export(self, folder: Path, tokenizer) -> None:
-        """A plain Hugging Face folder: `AutoModelForCausalLM.from_pretrained(folder)` loads it."""
-        self.model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        (folder / "grpo_workbench.json").write_text(json.dumps({"base_model": self.cfg.actor_rollout_ref.model.path}))
+    def export(self, folder: str) -> None:
+        """The current weights, gathered from every rank, as a Hugging Face folder written by rank 0."""
+        state = distributed.full_state_dict(self.actor)
+        if self.rank == 0:
+            checkpoint.save_hf(state, self.actor.config, self.actor.generation_config, Path(folder))
+            (Path(folder) / "grpo_workbench.json").write_text(
+                json.dumps({"base_model": self.cfg.actor_rollout_ref.model.path}))
+
+    # ---- debugging ----
+
+    def debug_listen(self, port: int) -> tuple[str, int]:
+        """Start a debugpy server on this worker's node; returns where a client attaches."""
+        import debugpy
+
+        host = _node_ip()
+        _, bound = debugpy.listen((host, port))
+        return host, bound
+
+    def debug_wait(self) -> None:
+        import debugpy
+
+        debugpy.wait_for_client()
+
+    def shutdown(self) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _node_ip() -> str:
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"

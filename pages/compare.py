@@ -17,7 +17,7 @@ from pathlib import Path
 import streamlit as st
 
 from backend import compare, export, launcher, workspace
-from backend.models import SHIPPED, SMOLLM2
+from backend.models import SHIPPED, SMOLLM2, is_model_folder
 from backend.pages_runtime import guarded, is_entry_point
 from backend.rollout import SamplingParams
 
@@ -42,7 +42,7 @@ def _resolve_model(side: str, choices: dict[str, str]) -> str:
     typed = (st.session_state.get(f"compare_path_{side}") or "").strip()
     if typed:
         path = workspace.safe_path(typed)
-        if not (path / "config.json").is_file():
+        if not is_model_folder(path):
             raise workspace.PathError(f"{typed!r} is not a model folder (no config.json): point at a checkpoint "
                                       "(runs/<id>/checkpoints/step_N), a run's export/ or a Hugging Face folder")
         return str(path)

@@ -208,6 +208,12 @@ def live_view() -> None:
                        f"may be stuck in '{stage}'. Check the log below.")
     else:
         st.markdown(f"**{state}** · step {status.get('step', 0)}/{status.get('total_steps') or '?'}")
+    if status.get("workers"):
+        st.caption("workers: " + " · ".join(f"rank {w.get('rank')} pid {w.get('pid')} on {w.get('host')} "
+                                             f"({w.get('device')})" for w in status["workers"]))
+    if state == "running" and status.get("debugger"):
+        st.info(f"A worker is waiting for a debugger at **{status['debugger']}**: attach with VS Code's "
+                "'Python Debugger: Remote Attach' to that host and port; the step starts once it attaches.")
     if status.get("error"):
         st.error(status["error"])
         if status.get("traceback"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backend import compare, export
+from backend import checkpoint, compare, export
 from backend.config import load_config
 from backend.trainer import Trainer
 
@@ -29,11 +29,11 @@ def tiny_run(tmp_path_factory, sample_sets) -> Path:
     return run_dir
 
 
-def test_a_checkpoint_has_no_tokenizer_and_the_runs_config_names_it(tiny_run):
+def test_a_checkpoint_keeps_its_tokenizer_beside_the_shards_and_an_export_holds_its_own(tiny_run):
     ckpt = tiny_run / "checkpoints" / "step_2"
     assert not export.has_tokenizer(ckpt)
     assert export.run_dir_of(ckpt) == tiny_run.resolve()
-    assert export.tokenizer_source(ckpt) == "tiny-qwen3"
+    assert export.tokenizer_source(ckpt) == str(ckpt / "huggingface")  # each checkpoint keeps a copy
     assert export.tokenizer_source(tiny_run / "export") == str(tiny_run / "export")  # it has its own
     assert export.tokenizer_source("tiny-llama") == "tiny-llama"
     assert export.checkpoint_step(ckpt) == 2 and export.checkpoint_step(tiny_run / "export") == 2
@@ -47,14 +47,14 @@ def test_an_exported_checkpoint_loads_with_transformers_alone(tiny_run, tmp_path
     assert out == tmp_path / "exported"
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "README.md"} <= names
-    assert not names & {"optim.pt", "trainer_state.json"}
+    assert not names & {"shards", "trainer_state.json", "extra_state_rank_0.pt", "huggingface"}
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temporary folder left behind
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert len(tokenizer) == model.config.vocab_size and tokenizer.chat_template
-    exported, original = load_file(out / "model.safetensors"), load_file(ckpt / "model.safetensors")
-    assert exported.keys() == original.keys()
-    assert all(torch.equal(exported[k], original[k]) for k in original)
+    exported, original = load_file(out / "model.safetensors"), checkpoint.merged_state_dict(ckpt)
+    assert exported.keys() <= original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in exported)
     info = json.loads((out / "grpo_workbench.json").read_text())
     assert info["base_model"] == "tiny-qwen3" and info["step"] == 2 and info["run"] == tiny_run.name
 
@@ -104,7 +104,7 @@ def test_export_explains_folders_it_cannot_export(tiny_run, tmp_path):
     loose = tmp_path / "loose"
     loose.mkdir()
     for name in ("config.json", "generation_config.json", "model.safetensors"):
-        (loose / name).write_bytes((tiny_run / "checkpoints" / "step_2" / name).read_bytes())
+        (loose / name).write_bytes((tiny_run / "export" / name).read_bytes())
     with pytest.raises(export.ExportError, match="tokenizer_source"):
         export.export_checkpoint(loose, tmp_path / "out")
     # ...unless the caller says so.

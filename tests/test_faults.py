@@ -93,8 +93,8 @@ def test_a_checkpoint_torn_mid_write_is_never_the_one_resumed_from(tmp_path, con
     # a kill during the step-6 save leaves its temporary folder half written; step_4 must be used
     torn = run_dir / "checkpoints" / ".tmp_step_6"
     shutil.copytree(run_dir / "checkpoints/step_4", torn)
-    (torn / "model.safetensors").write_bytes(b"half a file")
-    (torn / "optim.pt").unlink()
+    (torn / "shards" / "__0_0.distcp").write_bytes(b"half a file")
+    (torn / "trainer_state.json").unlink()
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_2", "step_4"]
     Trainer(config(**{"trainer.resume_mode": "auto"}), run_dir, show_progress=False).train()
     assert_same_run(straight_run, run_dir)

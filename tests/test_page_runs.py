@@ -92,3 +92,22 @@ def test_a_run_that_reports_nothing_for_too_long_gets_a_stall_warning(home):
     at = page(home).run()
     assert not at.exception
     assert any("No progress reported for more than 30 s" in w.value for w in at.warning)
+
+
+def test_a_run_waiting_for_a_debugger_says_where_to_attach_and_lists_its_workers(home):
+    import json
+    import os
+    import time
+
+    run_dir = home / "runs" / "20260101-000000-debug"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("trainer:\n  n_gpus_per_node: 2\n")
+    workers = [{"rank": r, "pid": 4000 + r, "host": "node-a", "ip": "10.0.0.5", "device": "cuda"} for r in range(2)]
+    (run_dir / "status.json").write_text(json.dumps({
+        "state": "running", "pid": os.getpid(), "host": os.uname().nodename, "step": 3, "total_steps": 10,
+        "stage": "worker rank 1 is waiting for a debugger at 10.0.0.5:5678", "stage_started": time.time(),
+        "heartbeat": time.time(), "workers": workers, "debugger": "10.0.0.5:5678"}))
+    at = page(home).run()
+    assert not at.exception
+    assert any("10.0.0.5:5678" in i.value and "Remote Attach" in i.value for i in at.info)
+    assert any("rank 1 pid 4001 on node-a (cuda)" in c.value for c in at.caption)

@@ -1,13 +1,15 @@
-"""Actor and reference: log-probs on padded batches, and an update that moves every weight."""
+"""The worker's actor and reference: log-probs on padded batches, and an update that moves every weight."""
 
 from __future__ import annotations
 
+import socket
+
 import torch
 
-from backend.config import load_config
+from backend.config import load_config, to_dict
 from backend.models import load_model
 from backend.rollout import left_pad
-from backend.workers import ActorWorker, RefWorker, response_log_probs
+from backend.workers import ActorRolloutRefWorker, response_log_probs
 
 from .conftest import tiny_overrides
 
@@ -42,30 +44,46 @@ def test_temperature_scales_logits_before_the_softmax(tiny_tokenizer):
     torch.testing.assert_close(cold, expected, atol=1e-5, rtol=1e-5)
 
 
+def one_rank_worker(cfg) -> ActorRolloutRefWorker:
+    """A worker in this process, as rank 0 of a one-process gloo group (the path a one-worker run takes)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return ActorRolloutRefWorker(to_dict(cfg), 0, 1, "127.0.0.1", port, "cpu", total_steps=1)
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor().clone() for k, v in model.named_parameters()}
+
+
 def test_one_update_changes_every_trainable_parameter_and_not_the_reference(sample_sets, tiny_tokenizer):
     cfg = load_config(None, tiny_overrides(sample_sets, **{"actor_rollout_ref.actor.ppo_mini_batch_size": 1,
                                                           "actor_rollout_ref.rollout.n": 2,
                                                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1}))
-    actor = ActorWorker(cfg, torch.device("cpu"), total_steps=1)
-    ref = RefWorker(cfg, torch.device("cpu"))
-    before = {k: v.clone() for k, v in actor.model.named_parameters()}
-    ref_before = {k: v.clone() for k, v in ref.model.named_parameters()}
+    worker = one_rank_worker(cfg)
+    before, ref_before = full_params(worker.actor), full_params(worker.ref)
     _, batch = padded_batch(tiny_tokenizer)
-    batch["ref_log_probs"] = ref.compute_ref_log_prob(batch)
+    batch["ref_log_probs"] = worker.compute_ref_log_prob(batch)
     batch["advantages"] = torch.tensor([[1.0, 1.0, 1.0, 0.0], [-1.0, -1.0, -1.0, -1.0]])
-    metrics = actor.update_actor(batch)
-    unchanged = [k for k, v in actor.model.named_parameters() if torch.equal(v, before[k])]
-    assert unchanged == []
-    assert all(torch.equal(v, ref_before[k]) for k, v in ref.model.named_parameters())
+    metrics = worker.update_actor(batch, mini_rows=2)
+    after = full_params(worker.actor)
+    assert [k for k in after if torch.equal(after[k], before[k])] == []
+    assert all(torch.equal(v, ref_before[k]) for k, v in full_params(worker.ref).items())
     assert metrics["actor/pg_clipfrac"] == 0.0  # on-policy: the ratio is exactly 1
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
 
 
 def test_actor_log_probs_match_the_reference_before_any_update(sample_sets, tiny_tokenizer):
-    cfg = load_config(None, tiny_overrides(sample_sets))
-    actor = ActorWorker(cfg, torch.device("cpu"), total_steps=1)
-    ref = RefWorker(cfg, torch.device("cpu"))
+    worker = one_rank_worker(load_config(None, tiny_overrides(sample_sets)))
     _, batch = padded_batch(tiny_tokenizer)
-    log_probs, entropy = actor.compute_log_prob(batch)
-    torch.testing.assert_close(log_probs, ref.compute_ref_log_prob(batch))
+    log_probs, entropy = worker.compute_log_prob(batch)
+    torch.testing.assert_close(log_probs, worker.compute_ref_log_prob(batch))
     assert entropy.shape == log_probs.shape and bool((entropy > 0).all())
+
+
+def test_the_sharded_actor_computes_the_log_probs_of_the_plain_model(sample_sets, tiny_tokenizer):
+    worker = one_rank_worker(load_config(None, tiny_overrides(sample_sets)))
+    _, batch = padded_batch(tiny_tokenizer)
+    plain = load_model("tiny-qwen3", torch.device("cpu")).eval()
+    expected, _ = response_log_probs(plain, batch["input_ids"], batch["attention_mask"], 4)
+    torch.testing.assert_close(worker.compute_log_prob(batch)[0], expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,114 @@
+"""torch.distributed inside a worker: the process group, FSDP2 sharding, and gathering the shards.
+
+Memory of the colocated actor on each of W ranks, for a model of P parameters (bytes; GPU, bf16
+mixed precision; the reference adds its own shard):
+
+    phase                at rest                         transient on top
+    between phases       4P/W fp32 master shard          -
+                         + 8P/W Adam moments (after the first update)
+    generation           same                            2P: every layer's bf16 parameters gathered at
+                                                         once (`unsharded`), + the KV cache
+    log-probs / update   same (+ 4P/W fp32 grad shard)   2P/L per layer being computed (gathered, freed
+                                                         after its forward and backward), + activations
+    reference log-probs  4P/W reference shard            2P/L per layer
+
+With `offload_policy` the shards, gradients and optimizer state live in CPU memory instead, and the
+optimizer steps on the CPU; only the gathered layers sit on the GPU. On CPU there is no mixed
+precision: parameters stay fp32, so the gathered copies are 4P and 4P/L.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+
+def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device) -> None:
+    """Join the run's process group: NCCL between GPUs, gloo between CPU processes. A process that
+    already has one (a test holding several one-rank workers) keeps it."""
+    if dist.is_initialized():
+        return
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def param_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """The dtype parameters are gathered and computed in: bf16 on GPUs unless told otherwise, fp32 on CPU."""
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[setting]
+
+
+def shard_model(model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype,
+                offload: bool = False) -> torch.nn.Module:
+    """Wrap `model` with FSDP2: each decoder layer is one unit (gathered for its own forward and
+    backward, freed after), the root holds the embeddings, final norm and head. Master weights stay
+    fp32; they are gathered in `compute_dtype` and gradients are reduced in fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kwargs = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
+    if compute_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks of a Hugging Face causal LM (the class its `_no_split_modules` names)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+    return layers
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def unsharded(model: torch.nn.Module) -> Iterator[None]:
+    """All parameters gathered for the duration (generation), and sharded again after.
+
+    While gathered, forward passes run no collectives, so ranks may take different numbers of decoding
+    steps (their responses end at different lengths) without waiting for each other.
+    """
+    modules = fsdp_modules(model)
+    for m in modules:
+        m.unshard()
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.set_reshard_after_forward(True, recurse=False)
+            m.reshard()
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights as plain CPU tensors on rank 0 (empty on the other ranks); every rank
+    must call it, since gathering is collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def global_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Clip gradients by their norm over all ranks' shards; returns that norm as a plain tensor."""
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

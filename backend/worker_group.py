@@ -1,0 +1,300 @@
+"""The controller's side of the workers: a Ray placement group of N `ActorRolloutRefWorker` ranks
+that the trainer calls as one object. Each call splits its batch across the ranks, runs them
+together and gathers the results back in order; a rank that dies or raises fails the call at once
+(the others are stopped), so the controller never waits on a collective that cannot finish.
+
+    trainer ── WorkerGroup.update_actor(batch) ──► rank 0: rows of every mini-batch, part 0 ┐ FSDP
+                                                   rank 1: rows of every mini-batch, part 1 ┘ all-gather,
+                                                                                              reduce-scatter
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+import torch
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from backend.config import Config, to_dict
+from backend.rollout import RolloutBatch, SamplingParams, left_pad, right_pad
+
+Batch = dict[str, torch.Tensor]
+
+# Passed to workers on a cluster (a local Ray inherits this process's environment): the model cache,
+# and the variables that keep NVLink multicast off on shared multi-GPU hosts.
+_PASSED_ENV = ("GRPO_WB_CACHE", "HF_HOME", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+               "NVSHMEM_DISABLE_NVLS", "NCCL_DEBUG")
+_POLL_S = 0.5
+_PLACEMENT_TIMEOUT_S = 120.0
+
+
+class WorkerError(RuntimeError):
+    """A worker raised, or its process died; the message names the rank, its process and the call."""
+
+
+def start_ray(cfg: Config) -> None:
+    """Join `trainer.ray_address`, or start a private Ray in this process (once per process)."""
+    if ray.is_initialized():
+        return
+    env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
+    if cfg.trainer.ray_address:
+        import backend
+
+        # The cluster's nodes need our dependencies installed; our own package travels with the job.
+        try:
+            ray.init(address=cfg.trainer.ray_address, runtime_env={"env_vars": env, "py_modules": [backend]},
+                     log_to_driver=True)
+        except ConnectionError as e:
+            raise WorkerError(f"cannot join the Ray cluster at trainer.ray_address={cfg.trainer.ray_address}: {e}. "
+                              "Check that `ray start --head` runs there; a cluster started by `ray start` uses token "
+                              "authentication, so export RAY_AUTH_MODE=token here with the head's token in "
+                              "~/.ray/auth_token (or RAY_AUTH_TOKEN)") from None
+        return
+    world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    package_root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
+    # address="local": always a new private instance, even where `ray start` left a cluster address behind.
+    # Ray's start-up notices are noise in a run's log; its errors still show.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world), include_dashboard=False, log_to_driver=True,
+             object_store_memory=512 * 2**20, runtime_env={"env_vars": env}, logging_level=logging.ERROR)
+
+
+def worker_device(cfg: Config) -> str:
+    """cuda when asked, or when `auto` and the Ray cluster has GPUs; else cpu."""
+    if cfg.trainer.device != "auto":
+        return cfg.trainer.device
+    return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+
+
+class WorkerGroup:
+    """`trainer.nnodes x trainer.n_gpus_per_node` ranks, placed together, one torch.distributed group."""
+
+    def __init__(self, cfg: Config, total_steps: int):
+        from backend.workers import ActorRolloutRefWorker
+
+        start_ray(cfg)
+        self.cfg = cfg
+        self.world_size = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+        self.device = worker_device(cfg)
+        local = not cfg.trainer.ray_address
+        if self.device == "cuda":
+            bundle = {"GPU": 1, "CPU": 1}
+        else:
+            # A private Ray on this machine: the ranks share its cores (each sets its torch threads to its share).
+            bundle = {"CPU": max(1, (os.cpu_count() or 1) // self.world_size) if local else 1}
+        self._check_resources(bundle)
+        self.placement = placement_group([bundle] * self.world_size, strategy="PACK")
+        try:
+            ray.get(self.placement.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(self.placement)
+            raise WorkerError(f"Ray could not place {self.world_size} workers of {bundle} within "
+                              f"{_PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {_resources()}") from None
+        master_addr, master_port = ray.get(_rendezvous.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=0),
+            num_cpus=0).remote())
+        remote_cls = ray.remote(concurrency_groups={"monitor": 1})(ActorRolloutRefWorker)
+        cfg_dict = to_dict(cfg)
+        self.workers = [
+            remote_cls.options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=r),
+            ).remote(cfg_dict, r, self.world_size, master_addr, master_port, self.device, total_steps)
+            for r in range(self.world_size)]
+        # Dropping the group (or the Trainer holding it) stops the ranks and frees their placement.
+        self._stop = weakref.finalize(self, _stop, list(self.workers), self.placement)
+        self.where: list[dict] = [{"rank": r} for r in range(self.world_size)]
+        self.where = self._run([w.where.remote() for w in self.workers], "start-up")
+
+    def _check_resources(self, bundle: dict) -> None:
+        have = _resources()
+        for name, amount in bundle.items():
+            if have.get(name, 0) < amount * self.world_size:
+                hint = ("lower trainer.n_gpus_per_node x trainer.nnodes, or join a larger cluster with "
+                        "trainer.ray_address") if name == "GPU" else "lower trainer.n_gpus_per_node"
+                raise WorkerError(f"this run needs {self.world_size} worker(s) with {amount:g} {name} each, but the "
+                                  f"Ray cluster has {have.get(name, 0):g} {name}: {hint}")
+
+    # ---- calling the ranks ----
+
+    def _run(self, refs: list, what: str, progress: Callable | None = None) -> list:
+        """Results of one call on every rank, in rank order. Polls rank 0's progress meanwhile; the
+        first rank to fail fails the call, and every rank is stopped (a survivor may be blocked in a
+        collective waiting for the dead one)."""
+        index = {ref: r for r, ref in enumerate(refs)}
+        pending = list(refs)
+        last = None
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    self.shutdown()
+                    raise WorkerError(f"worker rank {index[ref]} ({self._describe(index[ref])}) died during {what}: "
+                                      f"{_death_reason(e)}") from None
+                except ray.exceptions.RayTaskError as e:
+                    self.shutdown()
+                    cause = e.cause if getattr(e, "cause", None) is not None else e
+                    raise WorkerError(f"worker rank {index[ref]} ({self._describe(index[ref])}) failed during "
+                                      f"{what}: {type(cause).__name__}: {cause}") from e
+            if progress is not None and pending:
+                state = self._progress()
+                # rank 0 reports (kind, numbers...); a report left from an earlier call has another kind
+                if state and state[0] == what and state != last:
+                    progress(*state[1:])
+                    last = state
+        return ray.get(refs)
+
+    def _progress(self) -> tuple:
+        try:
+            return ray.get(self.workers[0].progress.remote(), timeout=5)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            return ()
+
+    def _describe(self, rank: int) -> str:
+        w = self.where[rank]
+        return f"pid {w['pid']} on {w['host']}" if "pid" in w else "not started"
+
+    def _each(self, method: str, args_per_rank: list[tuple], what: str, progress: Callable | None = None) -> list:
+        return self._run([getattr(w, method).remote(*args) for w, args in zip(self.workers, args_per_rank,
+                                                                               strict=True)], what, progress)
+
+    def _all(self, method: str, *args, what: str = "") -> list:
+        return self._each(method, [args] * self.world_size, what or method)
+
+    # ---- what the trainer calls ----
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, progress=None) -> RolloutBatch:
+        """n responses per prompt, each rank answering a contiguous share of the prompts (the rollout
+        engine interface, so validation and evaluation use the group as they use a local engine)."""
+        shares = _split_counts(len(prompts), self.world_size)
+        starts = [sum(shares[:r]) for r in range(self.world_size)]
+        args = [(prompts[s:s + c], params, s * params.n) for s, c in zip(starts, shares, strict=True)]
+        report = None if progress is None else (lambda done, rows, tokens, most: progress(
+            done, len(prompts) * params.n, tokens, most))
+        parts = [p for p in self._each("generate", args, "generation", report) if p]
+        pad = self._pad_id()
+        width = max(p["responses"].shape[1] for p in parts)
+        responses = torch.cat([right_pad(list(p["responses"]), width, pad) for p in parts])
+        response_mask = torch.cat([right_pad(list(p["response_mask"]), width, 0) for p in parts])
+        prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(params.n)], pad)
+        return RolloutBatch(
+            input_ids=torch.cat([prompt_ids, responses], 1), attention_mask=torch.cat([prompt_mask, response_mask], 1),
+            responses=responses, response_mask=response_mask,
+            prompt_index=torch.arange(len(prompts)).repeat_interleave(params.n),
+            finish_reasons=[f for p in parts for f in p["finish_reasons"]])
+
+    def compute_log_prob(self, batch: Batch, progress=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, R) log-probs under the current policy and the entropy, rows split evenly over the ranks."""
+        shards, n = _split_even(batch, self.world_size)
+        out = self._each("compute_log_prob", [(s,) for s in shards], "old log-probs")
+        return torch.cat([o[0] for o in out])[:n], torch.cat([o[1] for o in out])[:n]
+
+    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
+        shards, n = _split_even(batch, self.world_size)
+        return torch.cat(self._each("compute_ref_log_prob", [(s,) for s in shards], "reference log-probs"))[:n]
+
+    def update_actor(self, batch: Batch, mini_rows: int, epochs: int, shuffle: bool,
+                     progress=None) -> dict[str, float]:
+        """The PPO update over `epochs` passes of mini-batches of `mini_rows` responses (reshuffled each
+        pass when `shuffle`, from the torch RNG the trainer seeds per step). Every mini-batch is split
+        evenly across the ranks, so the optimizer steps are the same for any number of ranks."""
+        total = batch["responses"].shape[0]
+        local_rows = mini_rows // self.world_size
+        per_rank: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
+        for _ in range(epochs):
+            order = torch.randperm(total) if shuffle else torch.arange(total)
+            for m in range(total // mini_rows):
+                mini = order[m * mini_rows:(m + 1) * mini_rows]
+                for r in range(self.world_size):
+                    per_rank[r].append(mini[r * local_rows:(r + 1) * local_rows])
+        args = [({k: v[torch.cat(idx)] for k, v in batch.items()}, local_rows) for idx in per_rank]
+        results = self._each("update_actor", args, "the actor update", progress)
+        merged = {}
+        for key in results[0]:
+            values = [r[key] for r in results if key in r]
+            merged[key] = max(values) if key.startswith("perf/") else sum(values) / len(values)
+        return merged
+
+    def save_checkpoint(self, folder: Path) -> None:
+        self._all("save_checkpoint", str(folder), what="checkpoint save")
+
+    def load_checkpoint(self, folder: Path) -> None:
+        self._all("load_checkpoint", str(folder), what=f"loading checkpoint {folder}")
+
+    def export(self, folder: Path) -> None:
+        self._all("export", str(folder), what="export")
+
+    def attach_debugger(self, rank: int, port: int) -> tuple[str, int]:
+        """Start debugpy in worker `rank`; returns (host, port) for the client. `wait_for_debugger` blocks."""
+        return self._run([self.workers[rank].debug_listen.remote(port)], "debugger start")[0]
+
+    def wait_for_debugger(self, rank: int, heartbeat: Callable[[], None]) -> None:
+        """Block until a client attaches to worker `rank`, calling `heartbeat` meanwhile."""
+        ref = self.workers[rank].debug_wait.remote()
+        while not ray.wait([ref], timeout=_POLL_S)[0]:
+            heartbeat()
+        self._run([ref], "waiting for the debugger")
+
+    def shutdown(self) -> None:
+        """Stop every rank and release the placement group; safe to call twice."""
+        self._stop()
+
+    def _pad_id(self) -> int:
+        if not hasattr(self, "_pad"):
+            from backend.models import load_tokenizer
+
+            m = self.cfg.actor_rollout_ref.model
+            self._pad = load_tokenizer(m.path, m.tokenizer_path).pad_token_id
+        return self._pad
+
+
+def _stop(workers: list, placement) -> None:
+    if not ray.is_initialized():
+        return
+    for w in workers:
+        ray.kill(w, no_restart=True)
+    ray.util.remove_placement_group(placement)
+
+
+def _split_counts(n: int, parts: int) -> list[int]:
+    return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
+
+
+def _split_even(batch: Batch, parts: int) -> tuple[list[Batch], int]:
+    """Equal row counts for every rank (the last row repeated to fill), since sharded forward passes
+    are collective and every rank must run as many as the others; returns the shards and the real count."""
+    n = next(iter(batch.values())).shape[0]
+    per = math.ceil(n / parts)
+    index = torch.arange(per * parts).clamp(max=n - 1)
+    return [{k: v[index[r * per:(r + 1) * per]] for k, v in batch.items()} for r in range(parts)], n
+
+
+def _resources() -> dict:
+    return {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "memory")}
+
+
+def _death_reason(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    reason = next((line.strip() for line in text if "exit" in line.lower() or "killed" in line.lower()
+                   or "memory" in line.lower()), text[0] if text else type(error).__name__)
+    return f"the worker process ended ({reason[:300]})"
+
+
+@ray.remote
+def _rendezvous() -> tuple[str, int]:
+    """The address of the node holding rank 0 and a free port there: where the process group meets."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
