@@ -68,8 +68,6 @@ def main() -> None:
         model_dir = build_random_model(args.random_model, args.tokenizer, work / args.random_model)
         overrides.append(f"actor_rollout_ref.model.path={model_dir}")
     cfg = load_config(args.config, overrides)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
     start = time.time()
     Trainer(cfg, work / "run", show_progress=True).train()
     wall = time.time() - start
@@ -78,7 +76,8 @@ def main() -> None:
     row: dict = {
         "label": args.label or Path(args.config).stem,
         "model": cfg.actor_rollout_ref.model.path if not args.random_model else f"{args.random_model} (random)",
-        "overrides": args.overrides, "device": device, "counted_steps": len(steps), "wall_s": round(wall, 1),
+        "overrides": args.overrides, "device": device, "workers": cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes,
+        "counted_steps": len(steps), "wall_s": round(wall, 1),
         "torch": torch.__version__, "python": platform.python_version(),
     }
     for phase in PHASES:
@@ -89,17 +88,24 @@ def main() -> None:
     row["gen_tokens_per_s"] = round(statistics.median(t / m["timing_s/gen"] for t, m in zip(gen_tokens, steps,
                                                                                           strict=True)), 1)
     row["step_times_s"] = [round(m["timing_s/step"], 2) for m in steps]
-    if torch.cuda.is_available():
-        row["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+    # Each worker reports its own peak per step; the busiest GPU of the busiest step is what must fit.
+    for name, key in (("allocated", "perf/max_memory_allocated_gb"), ("reserved", "perf/max_memory_reserved_gb")):
+        values = [m[key] for m in read_metrics(work / "run") if key in m]
+        if values:
+            row[f"peak_{name}_gib_per_gpu"] = round(max(values), 2)
+    # The first step (warm-up included) from the same seed: what runs on 1 and N GPUs should agree on.
+    first = read_metrics(work / "run")[0]
+    row["first_step"] = {k: first.get(k) for k in ("critic/score/mean", "response_length/mean", "actor/pg_loss",
+                                                    "actor/kl_loss", "actor/entropy", "actor/grad_norm")}
 
     print()
     print(f"| {'quantity':<24} | {'value':>14} |")
     print(f"|{'-' * 26}|{'-' * 16}|")
     for key, value in row.items():
-        if key not in ("overrides", "step_times_s"):
+        if key not in ("overrides", "step_times_s", "first_step"):
             print(f"| {key:<24} | {value!s:>14} |")
     print(f"step times (s): {row['step_times_s']}")
+    print(f"first step: {row['first_step']}")
 
     out = Path(args.out) if args.out else REPO / "bench/results" / (
         f"{time.strftime('%Y-%m-%d')}-{'gpu' if torch.cuda.is_available() else 'cpu'}.json")
