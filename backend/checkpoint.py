@@ -15,6 +15,7 @@ tensors, without a process group, and writes them with the config and tokenizer 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -87,7 +88,9 @@ def merged_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
                for key, meta in metadata.state_dict_metadata.items()
                if key.startswith(prefix) and hasattr(meta, "size")}
     state = {_MODEL: weights}
-    dcp.load(state, checkpoint_id=shards, no_dist=True)
+    with warnings.catch_warnings():  # loading without a process group is the point here, not a mistake
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=shards, no_dist=True)
     return state[_MODEL]
 
 

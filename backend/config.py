@@ -115,6 +115,9 @@ class ActorConfig:
     kl_loss_type: str = _f("low_var_kl", "KL estimator of the KL loss.",
                            choices=("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs"))
     entropy_coeff: float = _f(0.0, "Entropy bonus weight (0 = off).", min=0)
+    nan_policy: str = _f("skip", "What an optimizer step with a non-finite loss or gradient norm does: skip (drop "
+                         "that step, keep training, warn) or stop (end the run as failed; the last checkpoint "
+                         "stays).", choices=("skip", "stop"))
 
 
 @dataclass

@@ -38,6 +38,10 @@ class RunStopped(Exception):
     """The run was asked to stop (SIGTERM / SIGINT); it ends in state `stopped`."""
 
 
+class NonFiniteError(RuntimeError):
+    """An update met a non-finite loss or gradient and actor_rollout_ref.actor.nan_policy=stop."""
+
+
 @contextmanager
 def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
     start = time.perf_counter()
@@ -302,6 +306,7 @@ class Trainer:
                 actor_metrics = self.workers.update_actor(
                     tensors, mini_rows=a.ppo_mini_batch_size * arr.rollout.n, epochs=a.ppo_epochs, shuffle=a.shuffle,
                     progress=lambda d, n: self.stage(f"updating micro-batch {d}/{n} (rank 0)"))
+            self._check_finite(step, actor_metrics)
             if token_sample is not None:
                 with timer("token_log", timings):
                     self.run.write_token_log(step, self._token_rows(token_sample))
@@ -319,6 +324,22 @@ class Trainer:
             self.run.write_rollouts(step, rollout_rows(step, rows, texts, scored, advantages, batch,
                                                        cfg.trainer.rollout_log_max))
         return metrics
+
+    def _check_finite(self, step: int, actor_metrics: dict[str, float]) -> None:
+        """Say when optimizer steps were dropped for a non-finite loss or gradient; stop if so configured."""
+        skipped = int(actor_metrics.get("actor/skipped_steps", 0))
+        if not skipped:
+            return
+        total = batch_plan(self.cfg).optimizer_steps_per_step
+        message = (f"step {step}: {skipped} of {total} optimizer step(s) met a non-finite loss or gradient norm "
+                   f"(grad_norm {actor_metrics.get('actor/grad_norm')})")
+        if self.cfg.actor_rollout_ref.actor.nan_policy == "stop":
+            raise NonFiniteError(f"{message}; actor_rollout_ref.actor.nan_policy=stop ends the run here. The last "
+                                 "checkpoint is intact: lower the learning rate (or check the reward) and resume")
+        warnings = (read_status(self.run.root) or {}).get("warnings") or []
+        warnings = [*warnings, f"{message}: skipped (actor_rollout_ref.actor.nan_policy=skip)"][-20:]
+        self.run.write_status("running", warnings=warnings)
+        print(f"warning: {warnings[-1]}", flush=True)
 
     # ---- the token view's data ----
 

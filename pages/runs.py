@@ -190,6 +190,18 @@ others = st.multiselect("Overlay other runs", [n for n in names if n != selected
 smoothing = st.slider("Smoothing", 0.0, 0.95, 0.0, 0.05, key="runs_smoothing")
 
 
+def _reward_problem(metrics: list[dict]) -> str:
+    """What went wrong with the reward function at the latest step that had trouble, or ""."""
+    for m in reversed(metrics):
+        counts = {kind: int(m.get(f"reward/{kind}") or 0) for kind in ("errors", "timeouts", "invalid")}
+        if any(counts.values()):
+            first = f" First error: {m['reward/first_error']}" if m.get("reward/first_error") else ""
+            return (f"Step {m.get('step')}: {counts['errors']} reward call(s) raised, {counts['timeouts']} timed out "
+                    f"(reward.timeout_s) and {counts['invalid']} returned a non-number; those responses scored 0 "
+                    f"and the run went on.{first}")
+    return ""
+
+
 @st.fragment(run_every=REFRESH_S)
 def live_view() -> None:
     if not run_dir.exists():
@@ -214,6 +226,11 @@ def live_view() -> None:
     if state == "running" and status.get("debugger"):
         st.info(f"A worker is waiting for a debugger at **{status['debugger']}**: attach with VS Code's "
                 "'Python Debugger: Remote Attach' to that host and port; the step starts once it attaches.")
+    for warning in (status.get("warnings") or [])[-3:]:
+        st.warning(warning)
+    reward_problem = _reward_problem(info["metrics"])
+    if reward_problem:
+        st.warning(reward_problem)
     if status.get("error"):
         st.error(status["error"])
         if status.get("traceback"):

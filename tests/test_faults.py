@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from backend import launcher
+from backend import checkpoint, launcher
 from backend.config import load_config
 from backend.runs import list_checkpoints, read_metrics, read_status
-from backend.trainer import Trainer
+from backend.trainer import NonFiniteError, Trainer
 
 from .conftest import tiny_overrides
 
@@ -99,3 +99,27 @@ def test_a_checkpoint_torn_mid_write_is_never_the_one_resumed_from(tmp_path, con
     Trainer(config(**{"trainer.resume_mode": "auto"}), run_dir, show_progress=False).train()
     assert_same_run(straight_run, run_dir)
     assert not torn.exists()  # the next save at step 6 replaced the torn folder
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_a_non_finite_gradient_is_skipped_or_stops_the_run_as_configured(tmp_path, sample_sets, policy):
+    # lr 1e30: the first update throws every weight to ~1e30, so step 2's loss and gradients are inf or nan.
+    cfg = load_config(None, tiny_overrides(sample_sets, **{
+        "actor_rollout_ref.actor.optim.lr": 1e30, "actor_rollout_ref.actor.nan_policy": policy,
+        "trainer.total_training_steps": 3, "trainer.save_freq": 1, "data.val_files": "[]"}))
+    run_dir = tmp_path / policy
+    with Trainer(cfg, run_dir, show_progress=False) as trainer:
+        if policy == "stop":
+            with pytest.raises(NonFiniteError, match="step 2: 1 of 1 optimizer step"):
+                trainer.train()
+        else:
+            trainer.train()
+    status, metrics = read_status(run_dir), read_metrics(run_dir)
+    if policy == "stop":
+        assert status["state"] == "failed" and "nan_policy=stop ends the run" in status["error"]
+        assert [m["step"] for m in metrics] == [1] and [p.name for p in list_checkpoints(run_dir)] == ["step_1"]
+        assert checkpoint.load_merged_model(run_dir / "checkpoints/step_1")  # the last checkpoint is whole
+    else:
+        assert status["state"] == "succeeded" and [m["step"] for m in metrics] == [1, 2, 3]
+        assert metrics[0]["actor/skipped_steps"] == 0 and metrics[1]["actor/skipped_steps"] == 1
+        assert any(w.startswith("step 2: 1 of 1 optimizer step") and "skipped" in w for w in status["warnings"])

@@ -111,3 +111,22 @@ def test_a_run_waiting_for_a_debugger_says_where_to_attach_and_lists_its_workers
     assert not at.exception
     assert any("10.0.0.5:5678" in i.value and "Remote Attach" in i.value for i in at.info)
     assert any("rank 1 pid 4001 on node-a (cuda)" in c.value for c in at.caption)
+
+
+def test_a_reward_function_that_fails_is_reported_with_its_counts_and_first_error(home):
+    import json
+    import time
+
+    run_dir = home / "runs" / "20260101-000000-reward"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("trainer:\n  total_training_steps: 2\n")
+    (run_dir / "status.json").write_text(json.dumps({"state": "succeeded", "step": 2, "total_steps": 2,
+                                                     "heartbeat": time.time()}))
+    lines = [{"step": 1, "critic/score/mean": 0.5, "reward/errors": 0.0, "reward/timeouts": 0.0, "reward/invalid": 0.0},
+             {"step": 2, "critic/score/mean": 0.0, "reward/errors": 3.0, "reward/timeouts": 1.0, "reward/invalid": 0.0,
+              "reward/first_error": "ZeroDivisionError: division by zero"}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    at = page(home).run()
+    assert not at.exception
+    [warning] = [w.value for w in at.warning if "reward call" in w.value]
+    assert warning.startswith("Step 2: 3 reward call(s) raised, 1 timed out") and "ZeroDivisionError" in warning

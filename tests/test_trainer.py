@@ -140,6 +140,22 @@ def test_a_raising_reward_function_scores_zero_and_the_run_goes_on(tmp_path, sam
     assert "odd length" in next(m["reward/first_error"] for m in lines if m["reward/errors"])
 
 
+@pytest.mark.parametrize(("body", "counter"), [("time.sleep(30)\n    return 1.0", "reward/timeouts"),
+                                               ("return 'a string'", "reward/invalid"),
+                                               ("raise ValueError('every row')", "reward/errors")])
+def test_a_reward_that_fails_on_every_response_scores_zero_and_the_run_finishes(tmp_path, sample_sets, body, counter):
+    reward = tmp_path / "bad_reward.py"
+    reward.write_text(f"import time\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      f"    {body}\n")
+    train(tmp_path / "r", sample_sets, **{"custom_reward_function.path": str(reward), "data.val_files": "[]",
+                                          "reward.timeout_s": 0.5})
+    lines = read_metrics(tmp_path / "r")
+    assert read_status(tmp_path / "r")["state"] == "succeeded" and [m["step"] for m in lines] == [1, 2]
+    responses = 2 * 4  # train_batch_size x rollout.n
+    assert all(m[counter] == responses and m["critic/score/mean"] == 0.0 for m in lines)
+    assert all(m["actor/pg_loss"] == 0.0 for m in lines)  # no signal, so no policy gradient
+
+
 def test_a_bad_data_file_is_refused_before_the_run_directory_exists(tmp_path, sample_sets):
     bad = tmp_path / "broken.parquet"
     bad.write_text("not parquet")
