@@ -197,6 +197,19 @@ def _field(key: str, label: str, disabled: bool, problems: dict[str, list[str]])
     _errors(problems.get(key, []))
 
 
+def _user_code_notice(draft: C.Config | None) -> None:
+    # A custom reward is imported and called by the trainer, not sandboxed: whoever launches a config they did
+    # not write (a shared YAML, an earlier run, a pasted verl script) should see whose code that puts in play.
+    crf = draft.custom_reward_function if draft is not None else None
+    path = crf.path.strip() if crf is not None and isinstance(crf.path, str) else ""
+    if not path:
+        return
+    name = crf.name.strip() if isinstance(crf.name, str) and crf.name.strip() else "(no function name set)"
+    st.warning(f"Launching this config runs your code: the function `{name}` from `{path}` is imported and called "
+               "inside the training process, with your user's permissions (it can read and write your files and "
+               "reach the network). Launch it only if you trust that code.", icon="⚠️")
+
+
 def _derived(draft: C.Config | None) -> None:
     st.subheader("One training step")
     if draft is None:
@@ -343,6 +356,8 @@ def render() -> None:
                 st.markdown(f"**{group}**")
                 for key, label in fields:
                     _field(key, label, draft is None, by_key)
+                if group == "Reward":
+                    _user_code_notice(draft)
     with yaml_col:
         st.text_area("YAML", key="config_yaml", height=720, on_change=_on_yaml,
                      help="The whole config. Every key is in backend/config.py with its help. Editing a field "

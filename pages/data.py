@@ -24,6 +24,7 @@ from backend import preview, rewards, workspace
 from backend.models import SHIPPED, SMOLLM2, load_tokenizer
 from backend.pages_runtime import guarded, is_entry_point
 
+# Read when the page runs (not bound as a default argument), so a test can lower it on the loaded module.
 UPLOAD_LIMIT_MB = 200
 DEFAULT_SQL = "SELECT data_source, count(*) FROM data GROUP BY 1"
 HEAD_ROWS = 20
@@ -102,20 +103,46 @@ def _upload_name(name: str) -> str:
     return workspace.check_name(f"{stem[:56]}.parquet", "upload name")
 
 
+def _upload_refusal(name: str, size: int, target: Path) -> str | None:
+    """Why an upload of `size` bytes named `name` must not be kept at `target`, or None when it may be.
+    Checked before anything is written, so a refused upload leaves the uploads folder as it was."""
+    limit = UPLOAD_LIMIT_MB * 1024 * 1024  # MB as Streamlit's max_upload_size counts them
+    if size > limit:
+        # bytes as well as MB: a file just over the cap would otherwise read as the cap itself
+        return (f"{name} is {size / (1024 * 1024):.1f} MB ({size:,} bytes); uploads are limited to "
+                f"{UPLOAD_LIMIT_MB} MB ({limit:,} bytes). It was not saved: put larger files in the workspace "
+                "and type their path.")
+    if target.exists():
+        return _name_taken(name, target)
+    return None
+
+
+def _name_taken(name: str, target: Path) -> str:
+    # never replace: the old file may be what an earlier run trained on, and nothing else holds a copy
+    return f"{name} was not saved: {target} already exists. Rename the file, or delete the old one first."
+
+
 def _save_upload(upload) -> Path:
     saved = st.session_state.setdefault("_data_uploads", {})
     if upload.file_id in saved and Path(saved[upload.file_id]).is_file():
         return Path(saved[upload.file_id])
-    if upload.size > UPLOAD_LIMIT_MB * 1024 * 1024:
-        raise workspace.PathError(f"{upload.name} is {upload.size / 1e6:.0f} MB; uploads are limited to "
-                                  f"{UPLOAD_LIMIT_MB} MB (put larger files in the workspace and type their path)")
     target = workspace.uploads_dir() / _upload_name(upload.name)
+    refusal = _upload_refusal(upload.name, upload.size, target)
+    if refusal:
+        raise workspace.PathError(refusal)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.part{os.getpid()}")
     try:
         tmp.write_bytes(upload.getvalue())
         preview.open_parquet(tmp).close()  # refuse a file that is not parquet before it is kept
-        os.replace(tmp, target)
+        try:
+            # a hard link, unlike os.replace, fails instead of overwriting a file of that name that another
+            # session saved since the check above
+            os.link(tmp, target)
+        except FileExistsError:
+            raise workspace.PathError(_name_taken(upload.name, target)) from None
+        except OSError:  # a filesystem without hard links: the check above is the only guard left
+            os.replace(tmp, target)
     except preview.PreviewError:
         raise preview.PreviewError(f"{upload.name} is not a readable parquet file; it was not saved") from None
     finally:
@@ -393,4 +420,7 @@ def main() -> None:
     guarded(_engine_problems, path, stamp, summary)
 
 
-main()
+# Streamlit runs the page as `__main__` (streamlit run, st.navigation, AppTest); importing it under another
+# name, as a test does to lower UPLOAD_LIMIT_MB before calling main(), must not draw it.
+if __name__ == "__main__":
+    main()

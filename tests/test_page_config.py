@@ -168,3 +168,22 @@ def test_fields_come_back_from_the_yaml_text_after_visiting_another_page(tmp_pat
     at.switch_page(PAGE).run()
     assert not at.exception
     assert at.number_input(key=N).value == 6
+
+
+def warning_texts(at: AppTest) -> list[str]:
+    return [w.value for w in at.warning]
+
+
+def test_a_custom_reward_file_is_named_as_code_that_launching_runs(page):
+    # the default preset uses a built-in reward: nothing of the user's runs, so no notice to get used to ignoring
+    assert not any("runs your code" in w for w in warning_texts(page))
+
+    page.text_area(key="config_yaml").input(
+        "custom_reward_function:\n  path: rewards/my_score.py\n  name: score_it\n").run()
+    assert not page.exception
+    [notice] = [w for w in warning_texts(page) if "runs your code" in w]
+    assert "`rewards/my_score.py`" in notice and "`score_it`" in notice
+    assert "training process" in notice and "permissions" in notice
+
+    page.text_input(key="cfg_custom_reward_function__path").input("").run()
+    assert not any("runs your code" in w for w in warning_texts(page))

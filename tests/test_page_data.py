@@ -139,6 +139,65 @@ def test_an_upload_is_saved_into_the_uploads_folder_and_shown(workspace):
     assert not (workspace / "uploads" / "junk.parquet").exists()
 
 
+
+def test_an_upload_named_like_an_existing_file_is_refused_and_the_old_file_kept(workspace):
+    uploads = workspace / "uploads"
+    uploads.mkdir(exist_ok=True)
+    old = uploads / "kept_data.parquet"
+    old_bytes = (REPO / "sample_data" / "arithmetic_val.parquet").read_bytes()
+    old.write_bytes(old_bytes)
+    assert old_bytes != SAMPLE.read_bytes()  # so a replaced file would show
+    at = _page()
+    at.file_uploader(key="data_upload").set_value(("kept data.parquet", SAMPLE.read_bytes(),
+                                                   "application/octet-stream"))
+    at.run()
+    assert not at.exception
+    errors = _texts(at.error)
+    assert any(f"{old} already exists" in e and "Rename the file, or delete the old one first" in e
+               for e in errors), errors
+    assert old.read_bytes() == old_bytes
+    assert sorted(p.name for p in uploads.iterdir() if "kept" in p.name) == ["kept_data.parquet"]  # no .part left
+
+
+def _big_parquet(min_bytes: int) -> bytes:
+    """A real parquet file of at least `min_bytes`: refused for its size, not its content."""
+    import io
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"blob": [os.urandom(min_bytes)]}), buf, compression="none")
+    return buf.getvalue()
+
+
+def test_an_upload_over_the_size_cap_is_refused_and_nothing_written(workspace):
+    # AppTest runs a script fresh, so the cap is lowered by an entry script that loads the page as a module
+    # (not as __main__, so it does not draw itself), sets the constant and then draws it
+    entry = workspace / "entry_small_cap.py"
+    entry.write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('data_page_small_cap', {str(PAGE)!r})\n"
+        "page = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(page)\n"
+        "page.UPLOAD_LIMIT_MB = 1\n"
+        "page.main()\n")
+    big = _big_parquet(1024 * 1024 + 100_000)
+    at = AppTest.from_file(str(entry), default_timeout=120)
+    at.session_state["data_model_name"] = "tiny-qwen3"
+    at.run()
+    assert not at.exception
+    at.file_uploader(key="data_upload").set_value(("too big.parquet", big, "application/octet-stream"))
+    at.run()
+    assert not at.exception
+    errors = _texts(at.error)
+    assert any(f"too big.parquet is {len(big) / 2**20:.1f} MB ({len(big):,} bytes)" in e
+               and "uploads are limited to 1 MB (1,048,576 bytes)" in e for e in errors), errors
+    uploads = workspace / "uploads"
+    assert not uploads.exists() or not [p.name for p in uploads.iterdir() if "too_big" in p.name]
+    assert not any(c.startswith("Showing") for c in _texts(at.caption))
+
 def test_a_tokenizer_that_cannot_load_skips_the_histogram_only(workspace):
     at = _page()
     at.text_input(key="data_model_name").input("./no-such-model").run()
