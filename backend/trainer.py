@@ -31,7 +31,7 @@ from backend.inference import Generator
 from backend.models import load_tokenizer
 from backend.rollout import RolloutBatch, SamplingParams
 from backend.runs import RunDir, latest_checkpoint, new_run_dir, read_status
-from backend.worker_group import WorkerGroup
+from backend.worker_group import WorkerError, WorkerGroup
 
 
 class RunStopped(Exception):
@@ -177,18 +177,34 @@ class Trainer:
                 self.export(self.run.export)
             self.run.write_status("succeeded", stage="done", step=self._step, finished=time.time())
             return metrics
-        except (RunStopped, KeyboardInterrupt):
-            self.run.write_status("stopped", stage="stopped", finished=time.time())
-            raise
+        except (RunStopped, KeyboardInterrupt) as e:
+            lost = self.workers.head.lost if self._ready else None
+            if lost is None:
+                self.run.write_status("stopped", stage="stopped", finished=time.time())
+                raise
+            self._record_failure(WorkerError(lost))
+            raise WorkerError(lost) from e
         except BaseException as e:
-            self.close()
-            self.run.write_status("failed", stage="failed", finished=time.time(),
-                                  error=f"{type(e).__name__}: {e}",
-                                  traceback="".join(traceback.format_exc().splitlines(True)[-30:]))
+            self._record_failure(e)
             raise
         finally:
             stop()
             self.tracking.close()
+
+    def _record_failure(self, e: BaseException) -> None:
+        """Stop the workers and write the failure, with what to do, into status.json."""
+        self.close()
+        error = f"{type(e).__name__}: {e}"
+        if "No space left on device" in error:
+            last = latest_checkpoint(self.run.root)
+            error += (f"\nThe disk holding {self.run.root} is full. Free space there (or move the run directory), "
+                      f"then resume with trainer.resume_mode=auto: the last whole checkpoint is "
+                      f"{last.name if last else 'none yet'}.")
+        try:
+            self.run.write_status("failed", stage="failed", finished=time.time(), error=error,
+                                  traceback="".join(traceback.format_exc().splitlines(True)[-30:]))
+        except OSError as write_error:  # e.g. still no space: the dashboard sees the process gone instead
+            print(f"could not record the failure in {self.run.status}: {write_error}\n{error}", flush=True)
 
     def _loop(self) -> dict[str, float]:
         t = self.cfg.trainer
@@ -412,11 +428,17 @@ class Trainer:
         """A sharded checkpoint (backend.checkpoint has the layout): each rank writes its own files."""
         self.stage(f"saving checkpoint step_{step}", force=True)
         tmp = self.run.begin_checkpoint(step)
-        self.workers.save_checkpoint(tmp)
-        self.tokenizer.save_pretrained(tmp / checkpoint.HF)
-        state = {"step": step, "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctrl.value,
-                 "seed": self.cfg.trainer.seed, "world_size": self.workers.world_size}
-        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        try:
+            self.workers.save_checkpoint(tmp)
+            self.tokenizer.save_pretrained(tmp / checkpoint.HF)
+            state = {"step": step, "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctrl.value,
+                     "seed": self.cfg.trainer.seed, "world_size": self.workers.world_size}
+            (tmp / "trainer_state.json").write_text(json.dumps(state))
+        except BaseException:
+            # A half-written checkpoint is never resumed from; removing it also gives back the space a
+            # full disk needs to record the failure.
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         return self.run.commit_checkpoint(tmp, step, self.cfg.trainer.max_checkpoints_to_keep)
 
     def _load(self, ckpt: Path) -> None:

@@ -10,9 +10,12 @@ together and gathers the results back in order; a rank that dies or raises fails
 
 from __future__ import annotations
 
+import _thread
 import logging
 import math
 import os
+import socket
+import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +40,41 @@ _PLACEMENT_TIMEOUT_S = 120.0
 
 class WorkerError(RuntimeError):
     """A worker raised, or its process died; the message names the rank, its process and the call."""
+
+
+class HeadWatch:
+    """Watches the Ray head (its GCS port) from a daemon thread.
+
+    Ray ends a driver whose GCS has been unreachable for 60 s, abruptly and without a word, while the
+    workers may go on answering until then. Noticing first (`misses` failed connections `interval_s`
+    apart) lets the trainer record the failure and stop cleanly: `on_lost(message)` is called once.
+    """
+
+    def __init__(self, gcs_address: str, on_lost: Callable[[str], None], interval_s: float = 2.0, misses: int = 5):
+        host, port = gcs_address.rsplit(":", 1)
+        self.address = (host, int(port))
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(on_lost, interval_s, misses), daemon=True,
+                                        name="ray-head-watch")
+        self._thread.start()
+
+    def _watch(self, on_lost: Callable[[str], None], interval_s: float, misses: int) -> None:
+        missed = 0
+        while not self._stop.wait(interval_s):
+            try:
+                socket.create_connection(self.address, timeout=interval_s).close()
+                missed = 0
+            except OSError as e:
+                missed += 1
+                if missed >= misses:
+                    self.lost = (f"the Ray head at {self.address[0]}:{self.address[1]} is gone (no answer for "
+                                 f"{missed * interval_s:.0f} s: {e}); its workers go with it")
+                    on_lost(self.lost)
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def start_ray(cfg: Config) -> None:
@@ -110,6 +148,8 @@ class WorkerGroup:
             for r in range(self.world_size)]
         # Dropping the group (or the Trainer holding it) stops the ranks and frees their placement.
         self._stop = weakref.finalize(self, _stop, list(self.workers), self.placement)
+        # The trainer's main thread learns of a lost head as an interrupt, the way it learns of Ctrl-C.
+        self.head = HeadWatch(ray.get_runtime_context().gcs_address, lambda _: _thread.interrupt_main())
         self.where: list[dict] = [{"rank": r} for r in range(self.world_size)]
         self.where = self._run([w.where.remote() for w in self.workers], "start-up")
 
@@ -245,7 +285,12 @@ class WorkerGroup:
         self._run([ref], "waiting for the debugger")
 
     def shutdown(self) -> None:
-        """Stop every rank and release the placement group; safe to call twice."""
+        """Stop every rank and release the placement group; safe to call twice. With the head gone
+        there is nothing to ask (and asking would block): the ranks have gone with it."""
+        self.head.stop()
+        if self.head.lost:
+            self._stop.detach()
+            return
         self._stop()
 
     def _pad_id(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -123,3 +124,71 @@ def test_a_non_finite_gradient_is_skipped_or_stops_the_run_as_configured(tmp_pat
         assert status["state"] == "succeeded" and [m["step"] for m in metrics] == [1, 2, 3]
         assert metrics[0]["actor/skipped_steps"] == 0 and metrics[1]["actor/skipped_steps"] == 1
         assert any(w.startswith("step 2: 1 of 1 optimizer step") and "skipped" in w for w in status["warnings"])
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MB tmpfs: room for three checkpoints of the tiny model and little more."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_a_full_disk_fails_the_run_clearly_and_resuming_elsewhere_matches_a_straight_run(
+        tmp_path, config, straight_run, small_disk):
+    run_dir = small_disk / "run"
+    with Trainer(config(**{"trainer.save_freq": 1}), run_dir, show_progress=False) as trainer, \
+            pytest.raises(Exception, match="No space left on device"):
+        trainer.train()
+    status = read_status(run_dir)
+    assert status["state"] == "failed" and "The disk holding" in status["error"]
+    last = list_checkpoints(run_dir)[-1]
+    assert f"the last whole checkpoint is {last.name}" in status["error"]
+    steps = [m["step"] for m in read_metrics(run_dir)]
+    assert steps == list(range(1, int(last.name.split("_")[1]) + 1))  # every metrics line up to it
+    assert not list((run_dir / "checkpoints").glob(".tmp*"))  # the half-written one is gone
+    moved = shutil.copytree(run_dir, tmp_path / "moved")  # "free space": move the run to a roomier disk
+    Trainer(config(**{"trainer.save_freq": 1, "trainer.resume_mode": "auto"}), moved, show_progress=False).train()
+    assert_same_run(straight_run, moved)
+
+
+def _children(pid: int) -> dict[int, str]:
+    """Child processes of `pid` and their names, from /proc."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if int(rest[1]) == pid:
+            out[int(stat.parent.name)] = name
+    return out
+
+
+def test_when_the_ray_head_is_gone_the_run_fails_clearly_and_resumes_from_its_checkpoint(tmp_path, sample_sets):
+    reward = tmp_path / "slower.py"  # 1.5 s a step: the run outlasts the ~10 s it takes to notice the head is gone
+    reward.write_text(SLOW_REWARD.replace("time.sleep(0.4)", "time.sleep(1.5)"))
+    cfg = load_config(None, tiny_overrides(sample_sets, **{
+        "trainer.total_training_steps": 12, "trainer.save_freq": 2, "data.val_files": "[]",
+        "custom_reward_function.path": str(reward)}))
+    run_dir = launcher.launch(cfg, name="headless", runs_root=tmp_path)
+    wait_for(lambda: list_checkpoints(run_dir) and (read_status(run_dir) or {}).get("step", 0) >= 3)
+    # The private Ray the trainer started: its GCS server is the head every worker and the driver talk to.
+    [gcs] = [pid for pid, name in _children(read_status(run_dir)["pid"]).items() if name == "gcs_server"]
+    os.kill(gcs, signal.SIGKILL)
+    wait_for(lambda: read_status(run_dir)["state"] != "running", timeout=60)
+    status = read_status(run_dir)
+    assert status["state"] == "failed" and "the Ray head at" in status["error"] and "is gone" in status["error"]
+    steps = [m["step"] for m in read_metrics(run_dir)]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) < 12
+    assert checkpoint.load_merged_model(list_checkpoints(run_dir)[-1])
+    wait_for(lambda: not launcher._alive(status["pid"]), timeout=90)
+
+    launcher.resume(run_dir)
+    wait_for(lambda: (read_status(run_dir) or {}).get("state") == "succeeded", timeout=240)
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 13))
