@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from backend import launcher
+from backend.runs import read_metrics
 
 from .conftest import REPO
 
@@ -67,33 +68,40 @@ def workspace(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def app_url(workspace):
+def start_server(workspace: Path) -> tuple[subprocess.Popen, str]:
+    """`streamlit run app/main.py` on a free port with `workspace` as the workbench's home; waits until it answers."""
     port = free_port()
     env = {**os.environ, "GRPO_WB_HOME": str(workspace)}
-    log = open(workspace / "streamlit.log", "w")  # noqa: SIM115 - closed at teardown
-    server = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(REPO / "app/main.py"), "--server.port", str(port),
-         "--server.headless", "true", "--server.address", "127.0.0.1"],
-        cwd=workspace, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(workspace / "streamlit.log", "a") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "streamlit", "run", str(REPO / "app/main.py"), "--server.port", str(port),
+             "--server.headless", "true", "--server.address", "127.0.0.1"],
+            cwd=workspace, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
     while time.time() < deadline:
         try:
             if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                break
+                return server, url
         except OSError:
             time.sleep(0.5)
-    else:
-        server.kill()
-        pytest.fail("streamlit did not start:\n" + (workspace / "streamlit.log").read_text())
-    yield url
+    server.kill()
+    pytest.fail("streamlit did not start:\n" + (workspace / "streamlit.log").read_text())
+
+
+def stop_runs_and_server(workspace: Path, server: subprocess.Popen) -> None:
     for run in launcher.list_runs(workspace / "runs"):
         if run.state in ("queued", "running"):
             launcher.stop(Path(run.path), grace_s=5)
     server.terminate()
     server.wait(timeout=20)
-    log.close()
+
+
+@pytest.fixture(scope="module")
+def app_url(workspace):
+    server, url = start_server(workspace)
+    yield url
+    stop_runs_and_server(workspace, server)
 
 
 @pytest.fixture(scope="module")
@@ -208,14 +216,18 @@ def test_launch_watch_stop_and_fork_a_tiny_run(page, workspace):
     assert chart_points(page) > first
     shot(page, "runs")
 
-    # A click that lands while a refresh redraws the page can be dropped, as for a person; click again.
+    # A click that lands while a refresh redraws the page can be dropped, as for a person; click again, but
+    # only while the button is live: a run that is stopping (its workers shutting down) disables it.
     for _ in range(3):
-        page.locator(f"{key('run_stop')} button").click()
-        settle(page)
-        [run] = launcher.list_runs(workspace / "runs")
+        stop = page.locator(f"{key('run_stop')} button")
+        if stop.is_enabled():
+            stop.click()
+            settle(page)
+        deadline = time.time() + 30
+        while time.time() < deadline and (run := launcher.list_runs(workspace / "runs")[0]).state != "stopped":
+            time.sleep(1)
         if run.state == "stopped":
             break
-        page.wait_for_timeout(3000)
     assert run.state == "stopped" and run.checkpoints
 
     page.get_by_role("button", name="Fork").click()
@@ -260,9 +272,11 @@ def test_rollouts_of_a_finished_run_filter_and_token_view(page, finished_run):
     groups_before = page.locator("[data-testid='stExpander']").count()
     assert groups_before > 0
     set_text(page, "rollouts_search", "no-such-text-anywhere")
+    # the filtered page can land a moment after the run that settle() waited for: wait for the count itself
+    expect(page.locator("[data-testid='stExpander']")).not_to_have_count(groups_before)
     assert page.locator("[data-testid='stExpander']").count() < groups_before
     set_text(page, "rollouts_search", "")
-    assert page.locator("[data-testid='stExpander']").count() == groups_before
+    expect(page.locator("[data-testid='stExpander']")).to_have_count(groups_before)
     page.locator(f"{key('rollouts_quantity')} label", has_text="KL").first.click()
     settle(page)
     page.locator("span[title]").first.wait_for()
@@ -288,3 +302,61 @@ def test_ab_compare_of_two_tiny_models_and_export_of_a_checkpoint(page, finished
     settle(page)
     exported = next((workspace / "exports").glob("tiny-step2*"))
     assert AutoModelForCausalLM.from_pretrained(exported) is not None
+
+
+def open_page(browser, url: str):
+    context = browser.new_context(viewport={"width": 1400, "height": 2200})
+    pg = context.new_page()
+    pg.set_default_timeout(60_000)
+    pg.goto(url)
+    pg.wait_for_selector("[data-testid='stSidebarNav']")
+    return pg
+
+
+def test_a_run_outlives_a_restart_of_the_workbench_and_the_new_one_shows_it(browser, tmp_path):
+    home = tmp_path / "home"
+    for folder in ("sample_data", "configs", ".streamlit"):
+        shutil.copytree(REPO / folder, home / folder, ignore=shutil.ignore_patterns("saved"))
+    server, url = start_server(home)
+    try:
+        page = open_page(browser, url)
+        set_text(page, "config_yaml", TINY_YAML.format(steps=30))
+        page.locator(f"{key('config_apply_yaml')} button").click()
+        settle(page)
+        go(page, "Runs")
+        set_text(page, "launch_name", "survivor")
+        page.locator(f"{key('launch_button')} button").click()
+        settle(page)
+        page.get_by_text("Launched").first.wait_for()
+        page.context.close()
+        [run] = launcher.list_runs(home / "runs")
+        deadline = time.time() + 180
+        while time.time() < deadline and not read_metrics(run.path):
+            time.sleep(1)
+        assert read_metrics(run.path), "the run wrote no metrics"
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+    # The workbench is down: the run is its own process and goes on.
+    seen = len(read_metrics(run.path))
+    deadline = time.time() + 120
+    while time.time() < deadline and len(read_metrics(run.path)) <= seen:
+        time.sleep(1)
+    assert len(read_metrics(run.path)) > seen
+    server, url = start_server(home)
+    try:
+        page = open_page(browser, url)
+        go(page, "Runs")
+        expect(page.locator(f"{key('runs_selected')} input")).to_have_value(run.name)  # opened on the run
+        deadline = time.time() + 60
+        while time.time() < deadline and chart_points(page) < 2:
+            page.wait_for_timeout(1000)
+        assert chart_points(page) >= 2  # the new server reads the run directory and draws it
+        deadline = time.time() + 240
+        while time.time() < deadline and launcher.read_run(run.path)["status"].get("state") != "succeeded":
+            time.sleep(1)
+        assert launcher.read_run(run.path)["status"]["state"] == "succeeded"
+        assert [m["step"] for m in read_metrics(run.path)] == list(range(1, 31))
+        page.context.close()
+    finally:
+        stop_runs_and_server(home, server)
