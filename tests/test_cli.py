@@ -99,6 +99,17 @@ def test_missing_data_file_and_model_path_are_reported_before_start(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_lengths_past_the_models_context_are_refused_before_start(tmp_path, sample_sets):
+    run_dir = tmp_path / "r"
+    result = cli("train", "defaults", *tiny_overrides(sample_sets, **{"data.max_prompt_length": 1000,
+                                                                    "data.max_response_length": 100}),
+                 "--run-dir", str(run_dir))
+    assert result.returncode == 2
+    assert ("data.max_prompt_length + data.max_response_length = 1100 is longer than the model's context "
+            "(1024 positions for tiny-qwen3)") in result.stderr
+    assert "Traceback" not in result.stderr and not run_dir.exists()
+
+
 def test_generate_prints_the_greedy_answer_that_plain_transformers_gives(cli_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
