@@ -12,6 +12,7 @@ Readers never write: a run whose process died without a final status is *reporte
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -283,6 +284,8 @@ def _summarize(folder: Path, now: float, stale_after_s: float) -> tuple[RunSumma
         return None, 0.0
     status = read_status(folder) or {}
     state, error, gone = _effective_state(status, now, stale_after_s)
+    if gone:
+        _record_gone(folder, status)
     started = status.get("started") or status.get("created")
     end = status.get("finished") if state not in ACTIVE else now
     if gone or end is None:
@@ -340,6 +343,19 @@ def effective_state(status: dict | None, now: float | None = None,
     return state, error
 
 
+def _record_gone(folder: Path, status: dict) -> None:
+    """A run whose process died on this machine without a final state gets one on disk (`failed`, with
+    GONE_ERROR), so status.json tells every later reader and tool what the dashboard shows. Only for a
+    pid checked dead here: a silent run of another host may be alive behind a slow shared disk."""
+    if status.get("host") != socket.gethostname():
+        return
+    current = read_status(folder) or {}
+    if current.get("pid") != status.get("pid") or current.get("state") not in ACTIVE:
+        return  # resumed or finished meanwhile
+    with contextlib.suppress(OSError):  # a read-only or full disk: readers still derive it from the dead pid
+        RunDir(folder).write_status("failed", error=GONE_ERROR, stage="failed", finished=time.time())
+
+
 def _effective_state(status: dict, now: float, stale_after_s: float) -> tuple[str, str | None, bool]:
     state = status.get("state") or "unknown"
     if state not in ACTIVE:
@@ -360,6 +376,7 @@ def read_run(run_dir: str | Path, *, now: float | None = None, stale_after_s: fl
     status = read_status(root) or {}
     state, error, gone = _effective_state(status, time.time() if now is None else now, stale_after_s)
     if gone:
+        _record_gone(root, status)
         status = {**status, "state": state, "error": error, "stage": state}
     try:
         metrics = read_metrics(root)

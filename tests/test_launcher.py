@@ -217,7 +217,7 @@ def test_stop_ends_the_whole_process_group_and_leaves_state_stopped(tmp_path, ru
     assert launcher.stop(run_dir) == "stopped"  # stopping a finished run changes nothing
 
 
-def test_a_run_killed_with_sigkill_is_listed_as_failed_without_anything_being_written(runs_root, sample_sets):
+def test_a_run_killed_with_sigkill_is_listed_as_failed_and_its_status_file_says_so(runs_root, sample_sets):
     run_dir = launcher.launch(tiny_config(sample_sets, **{"trainer.total_training_steps": LONG}),
                               name="to-kill", runs_root=runs_root)
     status = wait_until_stepping(run_dir)
@@ -228,11 +228,11 @@ def test_a_run_killed_with_sigkill_is_listed_as_failed_without_anything_being_wr
         return s if s.state == "failed" else None
     s = wait_for(listed_failed, "the killed run to be listed as failed", timeout_s=10)
     assert s.error == launcher.GONE_ERROR and s.stage == "failed"
-    on_disk = (run_dir / "status.json").read_bytes()
-    assert json.loads(on_disk)["state"] == "running"
+    # the dashboard noticed the dead pid and recorded it: status.json itself now says failed
+    on_disk = json.loads((run_dir / "status.json").read_text())
+    assert on_disk["state"] == "failed" and on_disk["error"] == launcher.GONE_ERROR
+    assert on_disk["pid"] == status["pid"] and on_disk["step"] == status["step"]
     assert launcher.read_run(run_dir)["status"]["state"] == "failed"
-    launcher.list_runs(runs_root)
-    assert (run_dir / "status.json").read_bytes() == on_disk
 
 
 def test_a_run_of_another_host_is_failed_only_once_its_heartbeat_is_older_than_the_threshold(tmp_path):
