@@ -192,3 +192,18 @@ def test_when_the_ray_head_is_gone_the_run_fails_clearly_and_resumes_from_its_ch
     launcher.resume(run_dir)
     wait_for(lambda: (read_status(run_dir) or {}).get("state") == "succeeded", timeout=240)
     assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 13))
+
+
+def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_whole_one(tmp_path, config, straight_run):
+    run_dir = launcher.launch(config(), name="torn", runs_root=tmp_path)
+    # the trainer says "saving checkpoint step_4" as the write starts; kill the whole process group then
+    wait_for(lambda: ((read_status(run_dir) or {}).get("stage") or "").startswith("saving checkpoint step_4"))
+    os.killpg(read_status(run_dir)["pgid"], signal.SIGKILL)
+    wait_for(lambda: [r for r in launcher.list_runs(tmp_path) if r.state == "failed"], timeout=30)
+    whole = [p.name for p in list_checkpoints(run_dir)]
+    assert whole[0] == "step_2" and set(whole) <= {"step_2", "step_4"}  # never a half-written one
+    for name in whole:
+        assert checkpoint.load_merged_model(run_dir / "checkpoints" / name)
+    launcher.resume(run_dir)
+    wait_for(lambda: (read_status(run_dir) or {}).get("state") == "succeeded")
+    assert_same_run(straight_run, run_dir)
