@@ -63,3 +63,28 @@ def test_random_parquet_rows_load_or_fail_with_a_data_error(tmp_path, rows):
         return
     assert len(loaded) == len(rows)
     assert all(isinstance(r["prompt"], list) and r["prompt"] for r in loaded)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.fixed_dictionaries({"data_source": st.sampled_from(["arithmetic", "openai/gsm8k", "x"]),
+                                       "prompt": st.one_of(st.text(max_size=60), messages),
+                                       "ground_truth": cells}), min_size=1, max_size=4),
+       st.integers(-2, 40), st.sampled_from(["error", "left", "right", "middle"]), st.booleans())
+def test_loaded_rows_become_prompts_within_the_length_limit_or_a_data_error(tmp_path, tiny_tokenizer, rows, limit,
+                                                                            truncation, drop_overlong):
+    path = tmp_path / "random.parquet"
+    try:
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        loaded = data.load_rows(path)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, data.DataError):
+        return  # covered by the test above
+    try:
+        dataset = data.PromptDataset(loaded, tiny_tokenizer, limit, truncation=truncation,
+                                     filter_overlong_prompts=drop_overlong, source=str(path))
+    except data.DataError as e:
+        assert str(e)
+        return
+    for i in range(len(dataset)):
+        item = dataset[i]
+        assert 0 < len(item["prompt_ids"]) <= limit and isinstance(item["prompt_text"], str)
