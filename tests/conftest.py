@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,16 @@ def tiny_tokenizer():
     from backend.models import load_tokenizer
 
     return load_tokenizer("tiny-qwen3")
+
+
+def wait_for(predicate, timeout: float = 240.0) -> None:
+    """Poll `predicate` every 50 ms until it is true; fail the test after `timeout` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f} s")
 
 
 def tiny_overrides(sample_sets: dict[str, Path], model: str = "tiny-qwen3", **extra) -> list[str]:

@@ -115,15 +115,21 @@ def browser():
         b.close()
 
 
-@pytest.fixture
-def page(browser, app_url):
+def open_page(browser, url: str):
+    """A new browser context on the workbench, once its page navigation has drawn."""
     context = browser.new_context(viewport={"width": 1400, "height": 2200})
     pg = context.new_page()
     pg.set_default_timeout(60_000)
-    pg.goto(app_url)
+    pg.goto(url)
     pg.wait_for_selector("[data-testid='stSidebarNav']")
+    return pg
+
+
+@pytest.fixture
+def page(browser, app_url):
+    pg = open_page(browser, app_url)
     yield pg
-    context.close()
+    pg.context.close()
 
 
 def expect(locator):
@@ -155,6 +161,20 @@ def set_text(page, widget_key: str, text: str) -> None:
     # A text area commits on Ctrl+Enter, a text input on Enter.
     box.press("Control+Enter" if box.evaluate("e => e.tagName") == "TEXTAREA" else "Enter")
     settle(page)
+
+
+def use_tiny_config(page, steps: int) -> None:
+    """Put the tiny model's config, `steps` steps long, into the Config page's editor and apply it."""
+    set_text(page, "config_yaml", TINY_YAML.format(steps=steps))
+    page.locator(f"{key('config_apply_yaml')} button").click()
+    settle(page)
+
+
+def launch_from_runs_page(page, name: str) -> None:
+    set_text(page, "launch_name", name)
+    page.locator(f"{key('launch_button')} button").click()
+    settle(page)
+    expect(page.get_by_text(re.compile(f"Launched .*{name}$")).first).to_be_visible()
 
 
 def shot(page, name: str) -> None:
@@ -196,14 +216,9 @@ def chart_points(page) -> int:
 
 
 def test_launch_watch_stop_and_fork_a_tiny_run(page, workspace):
-    set_text(page, "config_yaml", TINY_YAML.format(steps=300))
-    page.locator(f"{key('config_apply_yaml')} button").click()
-    settle(page)
+    use_tiny_config(page, steps=300)
     go(page, "Runs")
-    set_text(page, "launch_name", "browser")
-    page.locator(f"{key('launch_button')} button").click()
-    settle(page)
-    page.get_by_text("Launched").first.wait_for()
+    launch_from_runs_page(page, "browser")
 
     # the live chart gains points while the run goes on, without reloading the page
     deadline = time.time() + 180
@@ -305,15 +320,6 @@ def test_ab_compare_of_two_tiny_models_and_export_of_a_checkpoint(page, finished
     assert AutoModelForCausalLM.from_pretrained(exported) is not None
 
 
-def open_page(browser, url: str):
-    context = browser.new_context(viewport={"width": 1400, "height": 2200})
-    pg = context.new_page()
-    pg.set_default_timeout(60_000)
-    pg.goto(url)
-    pg.wait_for_selector("[data-testid='stSidebarNav']")
-    return pg
-
-
 def test_a_run_outlives_a_restart_of_the_workbench_and_the_new_one_shows_it(browser, tmp_path):
     home = tmp_path / "home"
     for folder in ("sample_data", "configs", ".streamlit"):
@@ -321,14 +327,9 @@ def test_a_run_outlives_a_restart_of_the_workbench_and_the_new_one_shows_it(brow
     server, url = start_server(home)
     try:
         page = open_page(browser, url)
-        set_text(page, "config_yaml", TINY_YAML.format(steps=30))
-        page.locator(f"{key('config_apply_yaml')} button").click()
-        settle(page)
+        use_tiny_config(page, steps=30)
         go(page, "Runs")
-        set_text(page, "launch_name", "survivor")
-        page.locator(f"{key('launch_button')} button").click()
-        settle(page)
-        page.get_by_text("Launched").first.wait_for()
+        launch_from_runs_page(page, "survivor")
         page.context.close()
         [run] = launcher.list_runs(home / "runs")
         deadline = time.time() + 180
@@ -376,15 +377,10 @@ def test_eight_runs_launched_at_once_all_finish_while_four_tabs_watch_them(brows
     timings: list[float] = []
     try:
         page = open_page(browser, url)
-        set_text(page, "config_yaml", TINY_YAML.format(steps=steps))
-        page.locator(f"{key('config_apply_yaml')} button").click()
-        settle(page)
+        use_tiny_config(page, steps=steps)
         go(page, "Runs")
         for i in range(8):
-            set_text(page, "launch_name", f"load-{i}")
-            page.locator(f"{key('launch_button')} button").click()
-            settle(page)
-            expect(page.get_by_text(re.compile(f"Launched .*load-{i}$")).first).to_be_visible()
+            launch_from_runs_page(page, f"load-{i}")
         runs = launcher.list_runs(home / "runs")
         assert len(runs) == 8
         tabs = [open_page(browser, url) for _ in range(4)]

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from backend.config import ConfigError, load_config
 from backend.runs import list_checkpoints, read_metrics, read_status
 from backend.trainer import Trainer
 
-from .conftest import REPO, tiny_overrides
+from .conftest import REPO, tiny_overrides, wait_for
 
 COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy",
             "actor/pg_clipfrac", "response_length/mean")
@@ -125,15 +124,6 @@ def start_run(run_dir: Path, args: list[str]) -> subprocess.Popen:
     log = open(run_dir.parent / f"{run_dir.name}.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen([sys.executable, "-m", "backend", "train", "defaults", *args, "--run-dir", str(run_dir)],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def wait_for(predicate, timeout: float = 240.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError("timed out")
 
 
 def test_a_killed_worker_fails_the_run_clearly_and_keeps_the_last_checkpoint(tmp_path, sample_sets):

@@ -6,7 +6,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from backend.config import load_config
 from backend.runs import list_checkpoints, read_metrics, read_status
 from backend.trainer import NonFiniteError, Trainer
 
-from .conftest import tiny_overrides
+from .conftest import tiny_overrides, wait_for
 
 STEPS = 6
 COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy",
@@ -47,15 +46,6 @@ def config(sample_sets, slow_reward):
             "trainer.total_training_steps": STEPS, "trainer.save_freq": 2, "data.val_files": "[]",
             "trainer.max_checkpoints_to_keep": 0, "custom_reward_function.path": str(slow_reward), **extra}))
     return make
-
-
-def wait_for(predicate, timeout: float = 180.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("timed out")
 
 
 def assert_same_run(a: Path, b: Path) -> None:
