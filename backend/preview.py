@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 import threading
 from collections import Counter
@@ -108,6 +109,10 @@ def _first_line(e: BaseException) -> str:
     return text.split("\n\n", 1)[0].strip() or type(e).__name__
 
 
+# Row groups a prompt sample is drawn from, at most.
+_SAMPLE_GROUPS = 8
+
+
 class Preview:
     """A sealed DuckDB view `data` over one parquet file. Use as a context manager, or call `close()`."""
 
@@ -186,16 +191,23 @@ class Preview:
     def prompt_texts(self, limit: int = 2000) -> list[Any]:
         """Up to `limit` prompts (message lists or strings) for length statistics; [] without a prompt column.
 
-        All of them when the file has no more rows; otherwise a reservoir sample with a fixed seed, so
-        the same file gives the same sample.
+        All of them when the file has no more rows; otherwise a fixed-seed sample (the same file gives the
+        same sample) from a few row groups spread over the file (enough to hold twice the sample, at most
+        `_SAMPLE_GROUPS`), so a file of gigabytes of prompts is not read whole to draw a histogram of 2,000.
         """
         if not self.has_column("prompt") or limit < 1:
             return []
         if self._num_rows <= limit:
             _, rows = self._run("SELECT prompt FROM data")
-        else:
-            _, rows = self._run(f"SELECT prompt FROM data USING SAMPLE reservoir({int(limit)} ROWS) REPEATABLE (0)")
-        return [r[0] for r in rows]
+            return [r[0] for r in rows]
+        parquet = pq.ParquetFile(self.path)
+        n_groups = parquet.num_row_groups
+        # As few groups as hold twice the sample, spread evenly; one group is the middle one.
+        k = min(_SAMPLE_GROUPS, n_groups, math.ceil(2 * limit * n_groups / self._num_rows))
+        groups = [n_groups // 2] if k == 1 else sorted({round(i * (n_groups - 1) / (k - 1)) for i in range(k)})
+        prompts = parquet.read_row_groups(groups, columns=["prompt"]).column("prompt")
+        picked = sorted(random.Random(0).sample(range(len(prompts)), min(limit, len(prompts))))
+        return prompts.take(picked).to_pylist()
 
     # ---- user SQL ----
 
