@@ -193,10 +193,12 @@ def stop(run_dir: str | Path, grace_s: float = 10.0) -> str:
             killed = True
             _wait_gone(pid, pgid, 10.0)
     status = read_status(run.root) or {}
-    if status.get("state", "queued") in ACTIVE:
+    # A dashboard read between the process's end and this line may have recorded it as gone; it was stopped.
+    if status.get("state", "queued") in ACTIVE or status.get("error") == GONE_ERROR:
         note = (f"did not stop within {grace_s:g} s of SIGTERM and was killed" if killed
                 else "the process ended without writing its final status")
-        status = run.write_status("stopped", stage="stopped", finished=time.time(), note=f"stopped: {note}")
+        status = run.write_status("stopped", stage="stopped", finished=time.time(), note=f"stopped: {note}",
+                                  error=None)
     return status["state"]
 
 

@@ -169,6 +169,10 @@ class Trainer:
         stop = _install_stop_handlers()
         try:
             self.setup()
+            # Starting Ray (in setup) puts Ray's own SIGTERM handler in place, which ends the process without a
+            # final status: a SIGTERM to this process alone must still end as `stopped`. (The launcher's stop
+            # signals the whole group, Ray's processes too, and records `stopped` itself if this one cannot.)
+            _install_stop_handlers()
             self.tracking = trackers.open_trackers(self.cfg.trainer.logger, self.run.root, self.cfg)
             self.run.write_status("running", total_steps=self.total_steps, step=self.start_step)
             metrics = self._loop()
