@@ -119,6 +119,12 @@ class ActorConfig:
                          "that step, keep training, warn) or stop (end the run as failed; the last checkpoint "
                          "stays).", choices=("skip", "stop"))
 
+    def clip_range(self) -> tuple[float, float]:
+        """(low, high): the ratio is clipped to [1 - low, 1 + high]; each side defaults to clip_ratio."""
+        low = self.clip_ratio_low if self.clip_ratio_low is not None else self.clip_ratio
+        high = self.clip_ratio_high if self.clip_ratio_high is not None else self.clip_ratio
+        return low, high
+
 
 @dataclass
 class RefConfig:
@@ -519,8 +525,7 @@ def validate_config(cfg: Config) -> None:
                         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}"
                         f" on {world} worker(s): choose a micro-batch that divides {mini // world or mini} "
                         f"({_divisors(mini // world or mini)})")
-    low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
-    high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
+    low, high = a.clip_range()
     if not 0 < low < 1:
         problems.append(f"actor_rollout_ref.actor.clip_ratio_low={low} must be between 0 and 1")
     if high <= 0:

@@ -41,8 +41,10 @@ def cache_dir() -> Path:
 
 def is_model_folder(folder: str | Path) -> bool:
     """A Hugging Face model folder (config.json) or a sharded run checkpoint (backend.checkpoint)."""
+    from backend.checkpoint import HF
+
     folder = Path(folder)
-    return (folder / "config.json").is_file() or (folder / "huggingface" / "config.json").is_file()
+    return (folder / "config.json").is_file() or (folder / HF / "config.json").is_file()
 
 
 def resolve_model(name_or_path: str) -> str:
@@ -209,8 +211,10 @@ def context_length(name_or_path: str) -> int | None:
     """The model's maximum positions, read from its config without loading weights."""
     from transformers import AutoConfig
 
+    from backend.checkpoint import HF
+
     source = Path(resolve_model(name_or_path))
-    if (source / "huggingface" / "config.json").is_file():  # a sharded run checkpoint
-        source = source / "huggingface"
+    if (source / HF / "config.json").is_file():  # a sharded run checkpoint keeps its config there
+        source = source / HF
     config = AutoConfig.from_pretrained(source)
     return getattr(config, "max_position_embeddings", None)

@@ -78,9 +78,7 @@ class Trainer:
         if status and status.get("state") == "running" and _alive(status.get("pid")):
             raise ConfigError([f"run directory {run_dir} is in use by a running process (pid {status['pid']})"])
         self.cfg = cfg
-        a = cfg.actor_rollout_ref.actor
-        self.clip_low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
-        self.clip_high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
+        self.clip_low, self.clip_high = cfg.actor_rollout_ref.actor.clip_range()
         self.run = RunDir(run_dir)
         self.show_progress = show_progress
         self._last_stage_write = 0.0
@@ -129,7 +127,7 @@ class Trainer:
         world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
         self.stage(f"starting {world} worker(s) and loading models", force=True)
         seed_everything(cfg.trainer.seed)
-        self.workers = WorkerGroup(cfg, self.total_steps)
+        self.workers = WorkerGroup(cfg, self.total_steps, pad_id=self.tokenizer.pad_token_id)
         self.run.write_status("running", workers=self.workers.where)
         self.has_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.rollout = self.workers  # the group is the rollout engine: each rank generates its share

@@ -114,11 +114,12 @@ def worker_device(cfg: Config) -> str:
 class WorkerGroup:
     """`trainer.nnodes x trainer.n_gpus_per_node` ranks, placed together, one torch.distributed group."""
 
-    def __init__(self, cfg: Config, total_steps: int):
+    def __init__(self, cfg: Config, total_steps: int, pad_id: int):
         from backend.workers import ActorRolloutRefWorker
 
         start_ray(cfg)
         self.cfg = cfg
+        self.pad_id = pad_id  # the controller's tokenizer's, for re-padding what the ranks return
         self.world_size = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
         self.device = worker_device(cfg)
         local = not cfg.trainer.ray_address
@@ -221,7 +222,7 @@ class WorkerGroup:
         report = None if progress is None else (lambda done, rows, tokens, most: progress(
             done, len(prompts) * params.n, tokens, most))
         parts = [p for p in self._each("generate", args, "generation", report) if p]
-        pad = self._pad_id()
+        pad = self.pad_id
         width = max(p["responses"].shape[1] for p in parts)
         responses = torch.cat([right_pad(list(p["responses"]), width, pad) for p in parts])
         response_mask = torch.cat([right_pad(list(p["response_mask"]), width, 0) for p in parts])
@@ -292,14 +293,6 @@ class WorkerGroup:
             self._stop.detach()
             return
         self._stop()
-
-    def _pad_id(self) -> int:
-        if not hasattr(self, "_pad"):
-            from backend.models import load_tokenizer
-
-            m = self.cfg.actor_rollout_ref.model
-            self._pad = load_tokenizer(m.path, m.tokenizer_path).pad_token_id
-        return self._pad
 
 
 def _stop(workers: list, placement) -> None:

@@ -105,9 +105,7 @@ class ActorRolloutRefWorker:
         self.rollout = HFGenerateEngine(self.actor, self.tokenizer, arr.rollout.generation_batch_size,
                                         device=self.device, autocast=False)
         self.temperature = arr.rollout.temperature
-        a = arr.actor
-        self.clip_low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
-        self.clip_high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
+        self.clip_low, self.clip_high = arr.actor.clip_range()
         self._progress: tuple = ()
 
     # ---- where this worker is, how far it got (read by the controller while a call runs) ----
