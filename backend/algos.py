@@ -13,6 +13,7 @@ import inspect
 from collections.abc import Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 # =====================================================================================================
@@ -622,3 +623,38 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     logits = logits - logits.amax(dim=-1, keepdim=True).detach()
     probs = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+# =====================================================================================================
+# ---- log-probs ----
+# =====================================================================================================
+
+LOG_PROB_CHUNK_TOKENS = 2048  # response positions whose fp32 log-softmax is computed at once
+
+
+def _chunk_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature)[target]: (rows, R, V) logits, (rows, R) targets -> (rows, R)."""
+    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                    with_entropy: bool = False, entropy_grad: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropies) of `targets` (b, R) under (b, R, V) logits in any dtype.
+
+    The fp32 log-softmax of a whole micro-batch is the largest tensor of a step (b x R x 151,936 x 4
+    bytes for Qwen3): this works a few rows at a time, and under autograd recomputes each chunk in
+    backward instead of keeping its fp32 copies, so only the logits themselves stay alive.
+    """
+    rows = max(1, LOG_PROB_CHUNK_TOKENS // max(targets.shape[1], 1))
+    lps, ents = [], []
+    for start in range(0, targets.shape[0], rows):
+        lg, tg = logits[start:start + rows], targets[start:start + rows]
+        if torch.is_grad_enabled():
+            lps.append(torch.utils.checkpoint.checkpoint(_chunk_log_probs, lg, tg, temperature, use_reentrant=False))
+        else:
+            lps.append(_chunk_log_probs(lg, tg, temperature))
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ents.append(entropy_from_logits(lg.float() / temperature))
+    return torch.cat(lps), torch.cat(ents) if with_entropy else None

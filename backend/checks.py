@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backend import checkpoint, data, rewards
+from backend import checkpoint, data, decode, rewards
 from backend.config import Config, ConfigError
-from backend.models import ModelError, context_length, resolve_model
+from backend.models import ModelError, model_config, resolve_model
 
 
 def preflight(cfg: Config) -> list[str]:
@@ -27,11 +27,16 @@ def preflight(cfg: Config) -> list[str]:
     model = cfg.actor_rollout_ref.model.path
     try:
         resolved = resolve_model(model)
-        limit = context_length(model) if Path(resolved).exists() else None
+        config = model_config(model) if Path(resolved).exists() else None
+        limit = getattr(config, "max_position_embeddings", None)
         total = cfg.data.max_prompt_length + cfg.data.max_response_length
         if limit is not None and total > limit:
             problems.append(f"data.max_prompt_length + data.max_response_length = {total} is longer than the "
                             f"model's context ({limit} positions for {model})")
+        reason = decode.unsupported_reason(config) if config is not None else None
+        if cfg.actor_rollout_ref.rollout.name == "workbench" and reason:
+            problems.append(f"actor_rollout_ref.rollout.name=workbench cannot run {model}: {reason}; "
+                            "use rollout.name=hf (or auto, which picks hf for it)")
     except (ModelError, OSError) as e:
         problems.append(f"actor_rollout_ref.model.path: {e}")
     t = cfg.trainer

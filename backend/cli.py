@@ -84,6 +84,30 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- plan ----
+
+class _PlanParser(argparse.ArgumentParser):
+    """`plan`'s parser: key=value overrides may also come after the options (`plan c.yaml --gpu l4 data.x=1`)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, rest = super().parse_known_args(args, namespace)
+        late = [a for a in rest if "=" in a and not a.startswith("-")]
+        namespace.overrides = [*(namespace.overrides or []), *late]
+        return namespace, [a for a in rest if a not in late]
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from backend.config import load_config
+    from backend.planner import format_plan, plan
+
+    overrides = [*args.overrides, *([f"trainer.n_gpus_per_node={args.gpus}"] if args.gpus is not None else [])]
+    cfg = load_config(None if args.config == "defaults" else args.config, overrides)
+    _quiet_transformers()
+    result = plan(cfg, gpu=args.gpu)
+    print(format_plan(result))
+    return 0 if result.fits else 1
+
+
 # ---- generate / eval ----
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -290,6 +314,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", default=None, help="run directory (default: a new folder under trainer.runs_root)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train)
+
+    from backend.planner import GPUS
+
+    pl = sub.add_parser("plan", help="will it fit? peak GPU memory per phase and step time of a config, before launch",
+                        description="Predict peak memory per worker in each phase of a training step and the step "
+                                    "time; say whether it fits the GPU and what to change if not. Exit code 0: "
+                                    "fits, 1: does not fit, 2: the config is not valid.")
+    pl.__class__ = _PlanParser
+    pl.add_argument("config", help="YAML config file, or `defaults` for the schema defaults (no file)")
+    pl.add_argument("overrides", nargs="*", help="e.g. actor_rollout_ref.rollout.n=8")
+    pl.add_argument("--gpu", default=None, choices=list(GPUS),
+                    help="GPU kind to plan for (default: the visible GPU, else h200)")
+    pl.add_argument("--gpus", type=int, default=None, help="GPUs per node (replaces trainer.n_gpus_per_node)")
+    pl.set_defaults(func=cmd_plan)
 
     g = sub.add_parser("generate", help="answer one prompt with a model")
     g.add_argument("--model", required=True, help="shipped name, run export/checkpoint folder, or Hub id")

@@ -115,6 +115,8 @@ class ActorConfig:
     kl_loss_type: str = _f("low_var_kl", "KL estimator of the KL loss.",
                            choices=("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs"))
     entropy_coeff: float = _f(0.0, "Entropy bonus weight (0 = off).", min=0)
+    use_torch_compile: bool = _f(True, "On GPUs, compile each decoder layer's forward with torch.compile (actor "
+                                 "and reference): faster steps after a one-off compilation.")
     nan_policy: str = _f("skip", "What an optimizer step with a non-finite loss or gradient norm does: skip (drop "
                          "that step, keep training, warn) or stop (end the run as failed; the last checkpoint "
                          "stays).", choices=("skip", "stop"))
@@ -134,13 +136,21 @@ class RefConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = _f("hf", "Rollout engine.", choices=("hf",))
+    name: str = _f("auto", "Rollout engine: workbench (our static-cache decode loop with CUDA graphs; Llama, "
+                   "Mistral, Qwen2 and Qwen3 models), hf (Hugging Face generate; any causal LM), auto (workbench "
+                   "where it runs, else hf).", choices=("auto", "workbench", "hf"))
     n: int = _f(4, "Responses sampled per prompt (the group size).", min=1)
     temperature: float = _f(1.0, "Sampling temperature.", gt=0)
     top_p: float = _f(1.0, "Nucleus sampling mass.", gt=0)
     top_k: int = _f(0, "Sample among the k likeliest tokens (0 = off).", min=0)
     log_prob_micro_batch_size_per_gpu: int = _f(16, "Responses per forward pass for old log-probs.", min=1)
     generation_batch_size: int = _f(64, "Most sequences generated at once.", min=1)
+    ignore_eos: bool = _f(False, "Keep sampling past the end-of-sequence token up to data.max_response_length "
+                          "(fixed-length benchmarks; as vLLM's ignore_eos).")
+    enforce_eager: bool = _f(False, "Run the workbench engine without CUDA graphs or compiled kernels (slower; for "
+                             "debugging).")
+    free_cache_engine: bool = _f(True, "Free the workbench engine's KV cache and CUDA graphs after each generation, "
+                                 "so the update can use that memory (the graphs are captured again next step).")
 
 
 @dataclass

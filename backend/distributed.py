@@ -10,7 +10,11 @@ mixed precision; the reference adds its own shard):
                                                          once (`unsharded`), + the KV cache
     log-probs / update   same (+ 4P/W fp32 grad shard)   2P/L per layer being computed (gathered, freed
                                                          after its forward and backward), + activations
-    reference log-probs  4P/W reference shard            2P/L per layer
+    reference log-probs  2P/W reference shard (bf16)     2P/L per layer
+
+The workbench rollout engine (backend.decode) also keeps its own 2P bf16 copy of the weights through
+every phase: the gathered weights are copied into it and freed before decoding starts, and its KV cache
+is freed after generation. backend.planner turns this table into numbers for a config.
 
 With `offload_policy` the shards, gradients and optimizer state live in CPU memory instead, and the
 optimizer steps on the CPU; only the gathered layers sit on the GPU. On CPU there is no mixed
@@ -49,10 +53,15 @@ def param_dtype(setting: str, device: torch.device) -> torch.dtype:
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype,
-                offload: bool = False) -> torch.nn.Module:
+                offload: bool = False, compile_layers: bool = False) -> torch.nn.Module:
     """Wrap `model` with FSDP2: each decoder layer is one unit (gathered for its own forward and
-    backward, freed after), the root holds the embeddings, final norm and head. Master weights stay
-    fp32; they are gathered in `compute_dtype` and gradients are reduced in fp32."""
+    backward, freed after), the root holds the embeddings, final norm and head. Parameters stay in the
+    dtype they were loaded in (fp32 master weights for the actor); they are gathered in `compute_dtype`
+    and gradients are reduced in fp32.
+
+    compile_layers: compile each decoder layer's forward (not the module call, so FSDP's gather and
+    free hooks stay outside the graph and parameter names do not change). All layers share one graph.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -61,6 +70,8 @@ def shard_model(model: torch.nn.Module, device: torch.device, compute_dtype: tor
     if compute_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
+        if compile_layers:
+            layer.forward = torch.compile(layer.forward)
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model

@@ -207,8 +207,8 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype = tor
     return model.to(device)
 
 
-def context_length(name_or_path: str) -> int | None:
-    """The model's maximum positions, read from its config without loading weights."""
+def model_config(name_or_path: str):
+    """The model's Hugging Face config, read without loading weights."""
     from transformers import AutoConfig
 
     from backend.checkpoint import HF
@@ -216,5 +216,4 @@ def context_length(name_or_path: str) -> int | None:
     source = Path(resolve_model(name_or_path))
     if (source / HF / "config.json").is_file():  # a sharded run checkpoint keeps its config there
         source = source / HF
-    config = AutoConfig.from_pretrained(source)
-    return getattr(config, "max_position_embeddings", None)
+    return AutoConfig.from_pretrained(source)

@@ -28,6 +28,7 @@ class SamplingParams:
     max_new_tokens: int = 64
     greedy: bool = False
     seed: int = 0
+    ignore_eos: bool = False  # keep sampling after EOS up to max_new_tokens (fixed-length benchmarks)
 
 
 @dataclass
@@ -87,17 +88,19 @@ _MIX = [m - (1 << 64) if m >= 1 << 63 else m for m in
         (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93)]
 
 
-def counter_uniform(seed: int, rows: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
-    """Uniform numbers in (0, 1) that depend only on (seed, row id, position, token id): (b, V).
+def counter_uniform(seed: int | torch.Tensor, rows: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
+    """One uniform number in (0, 1) per row that depends only on (seed, row id, position): (b,).
 
     A counter-based hash (splitmix64's finaliser over int64, which wraps), so a response's random
     draws do not depend on which batch, chunk or worker generated it. That makes sampling the same
-    on 1 and N workers and after a resume.
+    on 1 and N workers, in either rollout engine, and after a resume. seed and position may be 0-d
+    tensors on the rows' device, so a captured CUDA graph can advance them.
     """
-    m = torch.tensor(_MIX, dtype=torch.int64, device=rows.device)
-    v = torch.arange(vocab, device=rows.device, dtype=torch.int64)
-    key = torch.tensor([seed, position], dtype=torch.int64, device=rows.device)
-    x = (key[0] * m[0] + key[1] * m[3]) + rows.to(torch.int64).unsqueeze(1) * m[1] + v * m[2]
+    m = _MIX  # Python ints: no host-to-device copy, which a CUDA graph capture would refuse
+    # 0-d CPU tensors mix with tensors on any device, and int64 tensor arithmetic wraps as the hash needs.
+    seed = torch.as_tensor(seed, dtype=torch.int64)
+    position = torch.as_tensor(position, dtype=torch.int64)
+    x = rows.to(torch.int64) * m[1] + seed * m[0] + position * m[3]
     for mul in (m[1], m[2]):
         x = (x ^ ((x >> 31) & 0x1FFFFFFFF)) * mul
     x = x ^ ((x >> 29) & 0x7FFFFFFFF)
@@ -120,10 +123,27 @@ def warp_logits(scores: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return scores
 
 
+def sample_tokens(scores: torch.Tensor, params: SamplingParams, seed: int | torch.Tensor, rows: torch.Tensor,
+                  position: int | torch.Tensor) -> torch.Tensor:
+    """Next token of each row from its (b, V) logits: greedy, or a draw from softmax(warped logits).
+
+    The draw inverts the cumulative distribution at u = counter_uniform(seed, row, position): token i
+    is picked when cdf[i-1] <= u * cdf[-1] < cdf[i], which happens with probability p[i] and never for
+    a token of probability 0. One random number per row, so it costs a cumulative sum, not a noise
+    tensor the size of the logits.
+    """
+    if params.greedy:
+        return scores.argmax(-1)
+    probs = torch.softmax(warp_logits(scores, params.temperature, params.top_k, params.top_p), dim=-1)
+    cdf = probs.cumsum(-1)
+    u = counter_uniform(seed, rows, position) * cdf[:, -1]
+    return torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1).clamp(max=scores.shape[-1] - 1)
+
+
 class CounterSampler:
-    """A logits processor that turns greedy decoding into sampling by the Gumbel-max trick:
-    argmax(warped logits + Gumbel noise) is a draw from softmax(warped logits). The noise comes from
-    `counter_uniform`, keyed by each row's global id, so a row samples the same tokens wherever it runs."""
+    """A logits processor that makes Hugging Face's greedy decoding sample: it leaves only the token
+    `sample_tokens` draws (keyed by each row's global id), so a row samples the same tokens wherever
+    it runs, and the same as in the workbench engine."""
 
     def __init__(self, params: SamplingParams, row_ids: torch.Tensor):
         self.params = params
@@ -133,10 +153,46 @@ class CounterSampler:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.start is None:
             self.start = input_ids.shape[1]
-        p = self.params
-        warped = warp_logits(scores, p.temperature, p.top_k, p.top_p)
-        u = counter_uniform(p.seed, self.row_ids.to(scores.device), input_ids.shape[1] - self.start, scores.shape[-1])
-        return warped - torch.log(-torch.log(u))
+        tokens = sample_tokens(scores, self.params, self.params.seed, self.row_ids.to(scores.device),
+                               input_ids.shape[1] - self.start)
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens.unsqueeze(1), 0.0)
+
+
+def eos_ids_of(model, tokenizer) -> list[int]:
+    """Every id that ends a response: the generation config's EOS ids and the tokenizer's."""
+    eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
+        else tokenizer.eos_token_id
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def assemble(prompts: list[list[int]], n: int, responses: list[torch.Tensor], eos_ids: list[int], pad_id: int,
+             ignore_eos: bool = False) -> RolloutBatch:
+    """The batch layout (see the module docstring) from each row's generated tokens (prompt-major rows,
+    n per prompt); a response ends at its first EOS unless `ignore_eos`."""
+    rows = [p for p in prompts for _ in range(n)]
+    prompt_ids, prompt_mask = left_pad(rows, pad_id)
+    width = max(max(len(r) for r in responses), 1)
+    padded = right_pad(responses, width, pad_id)
+    if ignore_eos:
+        response_mask = (torch.arange(width) < torch.tensor([len(r) for r in responses]).unsqueeze(1)).long()
+        finish = ["length"] * len(rows)
+    else:
+        response_mask, finish = response_mask_from_eos(padded, eos_ids)
+    # A row that stopped early carries no tokens past its EOS; trim the columns nobody used.
+    width = max(int(response_mask.sum(-1).max()), 1)
+    padded = padded[:, :width].masked_fill(response_mask[:, :width] == 0, pad_id)
+    response_mask = response_mask[:, :width]
+    return RolloutBatch(
+        input_ids=torch.cat([prompt_ids, padded], dim=1),
+        attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
+        responses=padded,
+        response_mask=response_mask,
+        prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
+        finish_reasons=finish,
+    )
 
 
 class HFGenerateEngine:
@@ -152,11 +208,7 @@ class HFGenerateEngine:
         # dtype FSDP gathers in, so it turns autocast off.
         self.device = device
         self.autocast = autocast
-        eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
-            else tokenizer.eos_token_id
-        self.eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
-        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.eos_ids:
-            self.eos_ids.append(tokenizer.eos_token_id)
+        self.eos_ids = eos_ids_of(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id
 
     def generation_kwargs(self, params: SamplingParams, row_ids: torch.Tensor) -> dict:
@@ -165,7 +217,8 @@ class HFGenerateEngine:
 
         # Sampling is done by CounterSampler on top of greedy decoding (see there), so HF's own
         # warpers and its global-RNG sampler stay off.
-        config = GenerationConfig(do_sample=False, max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_ids,
+        config = GenerationConfig(do_sample=False, max_new_tokens=params.max_new_tokens,
+                                  eos_token_id=[] if params.ignore_eos else self.eos_ids,  # None: the model's
                                   pad_token_id=self.pad_id, top_k=None, top_p=None, temperature=None)
         processors = None if params.greedy else LogitsProcessorList([CounterSampler(params, row_ids)])
         return {"generation_config": config, "logits_processor": processors}
@@ -194,12 +247,11 @@ class HFGenerateEngine:
         given the whole batch would."""
         device = self.device or next(self.model.parameters()).device
         rows = [p for p in prompts for _ in range(params.n)]
-        prompt_index = torch.arange(len(prompts)).repeat_interleave(params.n)
         row_ids = torch.arange(first_row, first_row + len(rows))
         prompt_ids, prompt_mask = left_pad(rows, self.pad_id)
         was_training = self.model.training
         self.model.eval()
-        chunks: list[torch.Tensor] = []
+        responses: list[torch.Tensor] = []
         for start in range(0, len(rows), self.batch_size):
             ids = prompt_ids[start:start + self.batch_size].to(device)
             mask = prompt_mask[start:start + self.batch_size].to(device)
@@ -208,17 +260,6 @@ class HFGenerateEngine:
             settings = self.generation_kwargs(params, row_ids[start:start + self.batch_size])
             with amp_context(device) if self.autocast else contextlib.nullcontext():
                 out = self.model.generate(input_ids=ids, attention_mask=mask, stopping_criteria=criteria, **settings)
-            chunks.extend(out[:, ids.shape[1]:].cpu())
+            responses.extend(out[:, ids.shape[1]:].cpu())
         self.model.train(was_training)
-        width = max(max(len(c) for c in chunks), 1)
-        responses = right_pad(chunks, width, self.pad_id)
-        response_mask, finish = response_mask_from_eos(responses, self.eos_ids)
-        responses = responses.masked_fill(response_mask == 0, self.pad_id)
-        return RolloutBatch(
-            input_ids=torch.cat([prompt_ids, responses], dim=1),
-            attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
-            responses=responses,
-            response_mask=response_mask,
-            prompt_index=prompt_index,
-            finish_reasons=finish,
-        )
+        return assemble(prompts, params.n, responses, self.eos_ids, self.pad_id, params.ignore_eos)

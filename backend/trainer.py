@@ -267,7 +267,8 @@ class Trainer:
                 params = SamplingParams(n=arr.rollout.n, temperature=arr.rollout.temperature,
                                         top_p=arr.rollout.top_p, top_k=arr.rollout.top_k,
                                         max_new_tokens=cfg.data.max_response_length,
-                                        seed=cfg.trainer.seed * 1_000_003 + step)
+                                        seed=cfg.trainer.seed * 1_000_003 + step,
+                                        ignore_eos=arr.rollout.ignore_eos)
                 batch = self.rollout.generate([it["prompt_ids"] for it in items], params,
                                               progress=self._generation_stage)
             group_ids = batch.prompt_index

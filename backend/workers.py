@@ -10,6 +10,7 @@ in memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -19,7 +20,7 @@ from pathlib import Path
 import ray
 import torch
 
-from backend import algos, checkpoint, distributed
+from backend import algos, checkpoint, decode, distributed
 from backend.config import Config, from_dict
 from backend.models import load_model, load_tokenizer
 from backend.rollout import HFGenerateEngine, SamplingParams
@@ -41,14 +42,8 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 logits_to_keep=response_len + 1, use_cache=False)
-    logits = out.logits[:, :-1, :].float() / temperature  # (b, R, V): position t predicts token t+1
-    targets = input_ids[:, -response_len:]
-    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = algos.entropy_from_logits(logits)
-    return log_probs, entropy
+    logits = out.logits[:, :-1, :]  # (b, R, V): position t predicts token t+1
+    return algos.token_log_probs(logits, input_ids[:, -response_len:], temperature, with_entropy, entropy_grad)
 
 
 def _micro_batches(batch: Batch, size: int):
@@ -84,10 +79,12 @@ class ActorRolloutRefWorker:
         torch.manual_seed(self.cfg.trainer.seed)
         dtype = distributed.param_dtype(arr.actor.fsdp_config.param_dtype, self.device)
 
+        compile_layers = arr.actor.use_torch_compile and self.device.type == "cuda"
         self.actor = load_model(arr.model.path, torch.device("cpu"))  # fp32 master weights, sharded below
         if arr.model.enable_gradient_checkpointing:
             self.actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        distributed.shard_model(self.actor, self.device, dtype, offload=arr.actor.fsdp_config.offload_policy)
+        distributed.shard_model(self.actor, self.device, dtype, offload=arr.actor.fsdp_config.offload_policy,
+                                compile_layers=compile_layers)
         self.actor.train()
         opt = arr.actor.optim
         self.optimizer = torch.optim.AdamW(self.actor.parameters(), lr=opt.lr, betas=tuple(opt.betas),
@@ -97,16 +94,30 @@ class ActorRolloutRefWorker:
 
         self.ref = None
         if arr.actor.use_kl_loss or self.cfg.algorithm.use_kl_in_reward:
-            # Same weights and dtype as the actor, so the KL is exactly 0 before the first update.
-            self.ref = load_model(arr.model.path, torch.device("cpu")).eval().requires_grad_(False)
-            distributed.shard_model(self.ref, self.device, dtype, offload=arr.ref.fsdp_config.offload_policy)
+            # Stored in the compute dtype (no optimizer needs fp32 here): the same values the actor's
+            # fp32 weights gather to, so the KL is exactly 0 before the first update.
+            self.ref = load_model(arr.model.path, torch.device("cpu"), dtype).eval().requires_grad_(False)
+            distributed.shard_model(self.ref, self.device, dtype, offload=arr.ref.fsdp_config.offload_policy,
+                                    compile_layers=compile_layers)
 
         self.tokenizer = load_tokenizer(arr.model.path, arr.model.tokenizer_path)
-        self.rollout = HFGenerateEngine(self.actor, self.tokenizer, arr.rollout.generation_batch_size,
-                                        device=self.device, autocast=False)
+        self.rollout = self._rollout_engine(dtype)
         self.temperature = arr.rollout.temperature
         self.clip_low, self.clip_high = arr.actor.clip_range()
         self._progress: tuple = ()
+        self._peaks: dict[str, tuple[float, float]] = {}
+
+    def _rollout_engine(self, dtype: torch.dtype):
+        r = self.cfg.actor_rollout_ref.rollout
+        reason = decode.unsupported_reason(self.actor.config)
+        if r.name == "hf" or (r.name == "auto" and reason):
+            return HFGenerateEngine(self.actor, self.tokenizer, r.generation_batch_size, device=self.device,
+                                    autocast=False)
+        if reason:
+            raise ValueError(f"actor_rollout_ref.rollout.name=workbench cannot run this model: {reason}")
+        return decode.StaticCacheEngine(self.actor, self.tokenizer, r.generation_batch_size, self.device, dtype,
+                                        max_len=self.cfg.data.max_prompt_length + self.cfg.data.max_response_length,
+                                        cuda_graphs=not r.enforce_eager, free_after_generate=r.free_cache_engine)
 
     # ---- where this worker is, how far it got (read by the controller while a call runs) ----
 
@@ -131,9 +142,16 @@ class ActorRolloutRefWorker:
         self._progress = ()
         if not prompts:
             return {}
-        with distributed.unsharded(self.actor):
-            batch = self.rollout.generate(prompts, params, first_row=first_row,
-                                          progress=lambda *p: self._report("generation", *p))
+        report = lambda *p: self._report("generation", *p)  # noqa: E731
+        with self._phase("gen"):
+            if isinstance(self.rollout, decode.StaticCacheEngine):
+                # The engine keeps its own copy: gather, copy in, and free the gathered weights at once.
+                with distributed.unsharded(self.actor):
+                    self.rollout.load_weights(self.actor)
+                batch = self.rollout.generate(prompts, params, first_row=first_row, progress=report)
+            else:
+                with distributed.unsharded(self.actor):
+                    batch = self.rollout.generate(prompts, params, first_row=first_row, progress=report)
         return {"responses": batch.responses, "response_mask": batch.response_mask,
                 "finish_reasons": batch.finish_reasons}
 
@@ -145,13 +163,14 @@ class ActorRolloutRefWorker:
         self.actor.eval()
         micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
         lps, ents = [], []
-        for mb in _micro_batches(batch, micro):
-            lp, ent = response_log_probs(self.actor, mb["input_ids"].to(self.device),
-                                         mb["attention_mask"].to(self.device), batch["responses"].shape[1],
-                                         self.temperature, with_entropy=True)
-            lps.append(lp.cpu())
-            ents.append(ent.cpu())
-        self.actor.reshard()  # FSDP keeps the root's parameters gathered after a forward without backward
+        with self._phase("old_log_prob"):
+            for mb in _micro_batches(batch, micro):
+                lp, ent = response_log_probs(self.actor, mb["input_ids"].to(self.device),
+                                             mb["attention_mask"].to(self.device), batch["responses"].shape[1],
+                                             self.temperature, with_entropy=True)
+                lps.append(lp.cpu())
+                ents.append(ent.cpu())
+            self.actor.reshard()  # FSDP keeps the root's parameters gathered after a forward without backward
         self.actor.train()
         return torch.cat(lps), torch.cat(ents)
 
@@ -159,10 +178,12 @@ class ActorRolloutRefWorker:
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
         """(b, R) log-probs of the responses under the reference model."""
         micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
-        parts = [response_log_probs(self.ref, mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device),
-                                    batch["responses"].shape[1], self.temperature)[0].cpu()
-                 for mb in _micro_batches(batch, micro)]
-        self.ref.reshard()
+        with self._phase("ref"):
+            parts = [response_log_probs(self.ref, mb["input_ids"].to(self.device),
+                                        mb["attention_mask"].to(self.device), batch["responses"].shape[1],
+                                        self.temperature)[0].cpu()
+                     for mb in _micro_batches(batch, micro)]
+            self.ref.reshard()
         return torch.cat(parts)
 
     # ---- the update ----
@@ -190,45 +211,46 @@ class ActorRolloutRefWorker:
 
         n_micro_total = math.ceil(total / a.ppo_micro_batch_size_per_gpu)
         done = skipped = 0
-        for start in range(0, total, mini_rows):
-            mini = {k: v[start:start + mini_rows] for k, v in batch.items()}
-            self.optimizer.zero_grad(set_to_none=True)
-            for mb in _micro_batches(mini, a.ppo_micro_batch_size_per_gpu):
-                mb = {k: v.to(self.device) for k, v in mb.items()}
-                mask = mb["response_mask"].float()
-                log_probs, entropy = response_log_probs(
-                    self.actor, mb["input_ids"], mb["attention_mask"], response_len, self.temperature,
-                    with_entropy=True, entropy_grad=a.entropy_coeff > 0)
-                old = mb.get("old_log_probs", log_probs.detach())
-                pg_loss, pg_metrics = algos.compute_policy_loss(
-                    old, log_probs, mb["advantages"], mask, clip_ratio_low=self.clip_low,
-                    clip_ratio_high=self.clip_high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode)
-                loss = pg_loss
-                entropy_loss = algos.agg_loss(entropy, mask, a.loss_agg_mode)
-                if a.entropy_coeff:
-                    loss = loss - a.entropy_coeff * entropy_loss
-                if a.use_kl_loss:
-                    kl = algos.kl_penalty(log_probs, mb["ref_log_probs"], a.kl_loss_type)
-                    kl_loss = algos.agg_loss(kl, mask, a.loss_agg_mode)
-                    loss = loss + a.kl_loss_coef * kl_loss
-                    add("actor/kl_loss", kl_loss.item())
-                    add("actor/kl_coef", a.kl_loss_coef)
-                # Each micro-batch's mean is weighted by its share of the mini-batch, so the
-                # accumulated gradient is that of the mini-batch's mean loss.
-                (loss * mb["responses"].shape[0] / mini["responses"].shape[0]).backward()
-                add("actor/pg_loss", pg_loss.item())
-                add("actor/entropy", entropy_loss.item())
-                for k, v in pg_metrics.items():
-                    add(k, v)
-                done += 1
-                self._report("the actor update", done, n_micro_total)
-            grad_norm = distributed.global_grad_norm(self.actor.parameters(), a.grad_clip)
-            if torch.isfinite(grad_norm):
-                self.optimizer.step()
-            else:
-                skipped += 1
+        with self._phase("update_actor"):
+            for start in range(0, total, mini_rows):
+                mini = {k: v[start:start + mini_rows] for k, v in batch.items()}
                 self.optimizer.zero_grad(set_to_none=True)
-            add("actor/grad_norm", grad_norm.item())
+                for mb in _micro_batches(mini, a.ppo_micro_batch_size_per_gpu):
+                    mb = {k: v.to(self.device) for k, v in mb.items()}
+                    mask = mb["response_mask"].float()
+                    log_probs, entropy = response_log_probs(
+                        self.actor, mb["input_ids"], mb["attention_mask"], response_len, self.temperature,
+                        with_entropy=True, entropy_grad=a.entropy_coeff > 0)
+                    old = mb.get("old_log_probs", log_probs.detach())
+                    pg_loss, pg_metrics = algos.compute_policy_loss(
+                        old, log_probs, mb["advantages"], mask, clip_ratio_low=self.clip_low,
+                        clip_ratio_high=self.clip_high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode)
+                    loss = pg_loss
+                    entropy_loss = algos.agg_loss(entropy, mask, a.loss_agg_mode)
+                    if a.entropy_coeff:
+                        loss = loss - a.entropy_coeff * entropy_loss
+                    if a.use_kl_loss:
+                        kl = algos.kl_penalty(log_probs, mb["ref_log_probs"], a.kl_loss_type)
+                        kl_loss = algos.agg_loss(kl, mask, a.loss_agg_mode)
+                        loss = loss + a.kl_loss_coef * kl_loss
+                        add("actor/kl_loss", kl_loss.item())
+                        add("actor/kl_coef", a.kl_loss_coef)
+                    # Each micro-batch's mean is weighted by its share of the mini-batch, so the
+                    # accumulated gradient is that of the mini-batch's mean loss.
+                    (loss * mb["responses"].shape[0] / mini["responses"].shape[0]).backward()
+                    add("actor/pg_loss", pg_loss.item())
+                    add("actor/entropy", entropy_loss.item())
+                    for k, v in pg_metrics.items():
+                        add(k, v)
+                    done += 1
+                    self._report("the actor update", done, n_micro_total)
+                grad_norm = distributed.global_grad_norm(self.actor.parameters(), a.grad_clip)
+                if torch.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:
+                    skipped += 1
+                    self.optimizer.zero_grad(set_to_none=True)
+                add("actor/grad_norm", grad_norm.item())
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         metrics = {k: sums[k] / counts[k] for k in sums}
@@ -237,13 +259,27 @@ class ActorRolloutRefWorker:
         metrics.update(self.memory())
         return metrics
 
-    def memory(self) -> dict[str, float]:
-        """Peak GPU memory of this rank since the last call, in GiB (nothing on CPU)."""
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """Record this rank's peak GPU memory during one phase of the step (nothing on CPU)."""
         if self.device.type != "cuda":
-            return {}
-        out = {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
-               "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
+            yield
+            return
         torch.cuda.reset_peak_memory_stats()
+        yield
+        self._peaks[name] = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30)
+
+    def memory(self) -> dict[str, float]:
+        """Peak GPU memory of this rank in each phase since the last call and over all of them, in GiB:
+        perf/max_memory_{allocated,reserved}_gb[/<phase>] (nothing on CPU)."""
+        out: dict[str, float] = {}
+        for name, (allocated, reserved) in self._peaks.items():
+            out[f"perf/max_memory_allocated_gb/{name}"] = allocated
+            out[f"perf/max_memory_reserved_gb/{name}"] = reserved
+        if self._peaks:
+            out["perf/max_memory_allocated_gb"] = max(a for a, _ in self._peaks.values())
+            out["perf/max_memory_reserved_gb"] = max(r for _, r in self._peaks.values())
+        self._peaks = {}
         return out
 
     # ---- checkpoints and export ----

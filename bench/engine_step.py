@@ -49,6 +49,49 @@ def build_random_model(name: str, tokenizer_dir: str, out: Path) -> Path:
     return out
 
 
+def measure(config: str, overrides: list[str], steps: int, label: str = "", model_dir: Path | None = None,
+            model_label: str = "") -> dict:
+    """Train `steps` steps of `config` + overrides through `Trainer` and return the row of numbers:
+    medians over the steps after the first, per-phase peak GPU memory, the first step's losses."""
+    work = Path(tempfile.mkdtemp(prefix="bench-"))
+    full = list(overrides) + [f"trainer.total_training_steps={steps}", "trainer.save_freq=0", "trainer.test_freq=0",
+                              "data.val_files=[]", "trainer.export_at_end=false", "trainer.max_checkpoints_to_keep=1"]
+    if model_dir is not None:
+        full.append(f"actor_rollout_ref.model.path={model_dir}")
+    cfg = load_config(config, full)
+    start = time.time()
+    Trainer(cfg, work / "run", show_progress=True).train()
+    wall = time.time() - start
+    metrics = read_metrics(work / "run")
+    counted = metrics[1:]  # the first step is the warm-up
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()}"
+    row: dict = {
+        "label": label or Path(config).stem,
+        "model": model_label or cfg.actor_rollout_ref.model.path,
+        "overrides": list(overrides), "device": device, "workers": cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes,
+        "counted_steps": len(counted), "wall_s": round(wall, 1),
+        "torch": torch.__version__, "python": platform.python_version(),
+    }
+    for phase in PHASES:
+        values = [m.get(f"timing_s/{phase}", 0.0) for m in counted]
+        row[f"median_{phase}_s"] = round(statistics.median(values), 3) if values else None
+    gen_tokens = [m["response_length/mean"] * cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
+                  for m in counted]
+    row["gen_tokens_per_step"] = round(statistics.median(gen_tokens))
+    row["gen_tokens_per_s"] = round(statistics.median(t / m["timing_s/gen"] for t, m in zip(gen_tokens, counted,
+                                                                                          strict=True)), 1)
+    row["step_times_s"] = [round(m["timing_s/step"], 2) for m in counted]
+    # Each worker reports its own peak per phase and step; the busiest GPU of the busiest step is what must fit.
+    peak_keys = sorted({k for m in metrics for k in m if k.startswith("perf/max_memory_")})
+    for key in peak_keys:
+        name = key.removeprefix("perf/max_memory_").replace("_gb", "_gib")
+        row[f"peak_{name}"] = round(max(m[key] for m in metrics if key in m), 2)
+    # The first step (warm-up included) from the same seed: what runs on 1 and N GPUs should agree on.
+    row["first_step"] = {k: metrics[0].get(k) for k in ("critic/score/mean", "response_length/mean", "actor/pg_loss",
+                                                         "actor/kl_loss", "actor/entropy", "actor/grad_norm")}
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config")
@@ -59,45 +102,12 @@ def main() -> None:
     p.add_argument("--label", default="", help="name of this row in the results file")
     p.add_argument("--out", default=None, help="results JSON (default bench/results/<date>-<device>.json)")
     args = p.parse_intermixed_args()
-
-    work = Path(tempfile.mkdtemp(prefix="bench-"))
-    overrides = list(args.overrides) + [f"trainer.total_training_steps={args.steps}", "trainer.save_freq=0",
-                                        "trainer.test_freq=0", "data.val_files=[]", "trainer.export_at_end=false",
-                                        "trainer.max_checkpoints_to_keep=1"]
+    model_dir = None
     if args.random_model:
-        model_dir = build_random_model(args.random_model, args.tokenizer, work / args.random_model)
-        overrides.append(f"actor_rollout_ref.model.path={model_dir}")
-    cfg = load_config(args.config, overrides)
-    start = time.time()
-    Trainer(cfg, work / "run", show_progress=True).train()
-    wall = time.time() - start
-    steps = read_metrics(work / "run")[1:]  # the first step is the warm-up
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()}"
-    row: dict = {
-        "label": args.label or Path(args.config).stem,
-        "model": cfg.actor_rollout_ref.model.path if not args.random_model else f"{args.random_model} (random)",
-        "overrides": args.overrides, "device": device, "workers": cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes,
-        "counted_steps": len(steps), "wall_s": round(wall, 1),
-        "torch": torch.__version__, "python": platform.python_version(),
-    }
-    for phase in PHASES:
-        values = [m.get(f"timing_s/{phase}", 0.0) for m in steps]
-        row[f"median_{phase}_s"] = round(statistics.median(values), 3) if values else None
-    gen_tokens = [m["response_length/mean"] * cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
-                  for m in steps]
-    row["gen_tokens_per_s"] = round(statistics.median(t / m["timing_s/gen"] for t, m in zip(gen_tokens, steps,
-                                                                                          strict=True)), 1)
-    row["step_times_s"] = [round(m["timing_s/step"], 2) for m in steps]
-    # Each worker reports its own peak per step; the busiest GPU of the busiest step is what must fit.
-    for name, key in (("allocated", "perf/max_memory_allocated_gb"), ("reserved", "perf/max_memory_reserved_gb")):
-        values = [m[key] for m in read_metrics(work / "run") if key in m]
-        if values:
-            row[f"peak_{name}_gib_per_gpu"] = round(max(values), 2)
-    # The first step (warm-up included) from the same seed: what runs on 1 and N GPUs should agree on.
-    first = read_metrics(work / "run")[0]
-    row["first_step"] = {k: first.get(k) for k in ("critic/score/mean", "response_length/mean", "actor/pg_loss",
-                                                    "actor/kl_loss", "actor/entropy", "actor/grad_norm")}
-
+        model_dir = build_random_model(args.random_model, args.tokenizer,
+                                       Path(tempfile.mkdtemp(prefix="bench-model-")) / args.random_model)
+    row = measure(args.config, args.overrides, args.steps, args.label, model_dir,
+                  f"{args.random_model} (random)" if args.random_model else "")
     print()
     print(f"| {'quantity':<24} | {'value':>14} |")
     print(f"|{'-' * 26}|{'-' * 16}|")

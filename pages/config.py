@@ -27,6 +27,8 @@ TEXT = presets.SESSION_KEY      # the YAML text; see the docstring
 SYNCED = "_config_synced_text"  # the text the field widgets were last filled from
 PREFLIGHT = "_config_preflight"  # {"text": ..., "problems": [...]} of the last file check
 LOADED = "_config_loaded_from"
+PLAN_OPEN = "config_plan_open"          # whether the plan panel is open (it plans only then)
+PLAN_GPUS_FROM = "_config_plan_gpus_from"  # the trainer.n_gpus_per_node the GPU count field was last set from
 
 # The common fields, by group: (dotted key, label). The widget kind, help and choices come from the schema.
 GROUPS: dict[str, list[tuple[str, str]]] = {
@@ -244,6 +246,53 @@ def _preflight(text: str, cfg_ok: bool) -> None:
         st.success("Data files, model and reward are ready: the run can start.")
 
 
+def _plan_panel(cfg: C.Config | None) -> None:
+    ss = st.session_state
+    panel = st.expander("Will it fit? Memory and time plan", key=PLAN_OPEN, on_change="rerun")
+    # Drawn only while open: the first plan of a model reads its config and builds it on the meta device.
+    if not panel.open or cfg is None:  # an invalid config: its problems are shown above already
+        return
+    from backend import planner
+    from backend.models import ModelError
+
+    with panel:
+        st.caption("Predicted peak memory of each worker in each phase of a step, and the step's time, from the "
+                   "config and the model's dimensions (`python -m backend plan CONFIG` prints the same).")
+        if ss.get(PLAN_GPUS_FROM) != cfg.trainer.n_gpus_per_node or "config_plan_gpus" not in ss:
+            ss["config_plan_gpus"] = ss[PLAN_GPUS_FROM] = cfg.trainer.n_gpus_per_node
+        names = list(planner.GPUS)
+        gpu_col, count_col = st.columns(2)
+        gpu = gpu_col.selectbox("GPU", names, index=names.index(planner.default_gpu()), key="config_plan_gpu",
+                                help="The kind of GPU the run will use (default: the one visible here).")
+        gpus = count_col.number_input("GPUs per node", min_value=1, step=1, key="config_plan_gpus",
+                                      help="trainer.n_gpus_per_node for the plan; the YAML is not changed.")
+        try:
+            with st.spinner("Reading the model's dimensions..."):
+                result = planner.plan(cfg, gpu=gpu, gpus=int(gpus))
+        except ConfigError as e:
+            _errors(e.problems)
+            return
+        except ModelError as e:
+            st.warning(f"No plan: {e}")
+            return
+        except Exception as e:  # noqa: BLE001 - a plan that breaks must not take the page down
+            st.error(f"the plan itself failed: {type(e).__name__}: {e}")
+            return
+        st.dataframe(result.table(), hide_index=True)
+        st.caption(result.step_time_text())
+        (st.success if result.fits else st.error)(result.verdict)
+        alone = [s for s in result.suggestions if len(s.changes) == 1]
+        if alone:
+            st.markdown("**What to change** (each alone, re-planned with it):\n"
+                        + "\n".join(f"- `{s.overrides[0]}`: {s.effect}" for s in alone))
+        for s in result.suggestions:
+            if len(s.changes) > 1:
+                st.markdown(f"**Or all of these together**: {s.effect}")
+                st.code(" ".join(s.overrides), language="bash")
+        for note in result.notes:
+            st.caption(note)
+
+
 def _save_and_commands(text: str, cfg: C.Config | None) -> None:
     st.subheader("Save, download, command line")
     name_col, over_col, save_col, dl_col = st.columns([3, 1.3, 1, 1.2], vertical_alignment="bottom")
@@ -368,6 +417,7 @@ def render() -> None:
 
     _derived(draft)
     _preflight(text, cfg is not None)
+    _plan_panel(cfg)
     _save_and_commands(text, cfg)
     _verl(cfg)
 

@@ -49,8 +49,11 @@ def assert_same_training(a: Path, b: Path, steps: list[int]) -> None:
         for key in COMPARED:
             assert ma[step][key] == pytest.approx(mb[step][key], rel=1e-4, abs=1e-6), (step, key)
     wa, wb = load_file(a / "export/model.safetensors"), load_file(b / "export/model.safetensors")
+    # Adam divides by sqrt(v): where a token's embedding row gets only float-rounding-sized gradients, a
+    # different summation order on 2 ranks can move it by ~1% of lr (1e-3); a wrong gradient would move
+    # it by the whole lr.
     for key in wa:
-        torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=3e-5)
 
 
 @pytest.fixture(scope="module")

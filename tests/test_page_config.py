@@ -7,7 +7,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from backend import config as C
-from backend import presets
+from backend import planner, presets
 
 from .conftest import REPO
 
@@ -187,3 +187,69 @@ def test_a_custom_reward_file_is_named_as_code_that_launching_runs(page):
 
     page.text_input(key="cfg_custom_reward_function__path").input("").run()
     assert not any("runs your code" in w for w in warning_texts(page))
+
+
+# ---- the plan panel ----
+
+PLAN_OPEN = "config_plan_open"
+
+
+def open_plan(at: AppTest, yaml_text: str) -> AppTest:
+    at.text_area(key="config_yaml").input(yaml_text).run()
+    at.session_state[PLAN_OPEN] = True  # what clicking the expander does
+    return at.run()
+
+
+def plan_verdicts(at: AppTest) -> list[str]:
+    return [m.value for m in [*at.success, *at.error] if m.value.startswith(("fits", "does not fit"))]
+
+
+TINY = presets.preset_yaml_text(presets.DEFAULT_PRESET).replace("smollm2-135m-instruct", "tiny-qwen3")
+
+
+def test_the_plan_panel_plans_only_while_open(page):
+    assert "Will it fit? Memory and time plan" in [e.label for e in page.expander]
+    assert len(page.dataframe) == 0 and plan_verdicts(page) == []
+
+
+def test_the_plan_panel_shows_each_phase_and_that_the_default_config_with_tiny_qwen3_fits(page):
+    open_plan(page, TINY)
+    assert not page.exception
+    [table] = page.dataframe
+    assert list(table.value["phase"]) == ["generation", "old log-prob", "reference log-prob", "update"]
+    [verdict] = plan_verdicts(page)
+    assert verdict.startswith("fits") and "h200" in verdict
+    assert page.selectbox(key="config_plan_gpu").value == planner.default_gpu()  # h200 where no GPU is visible
+    assert page.number_input(key="config_plan_gpus").value == 1  # trainer.n_gpus_per_node
+    assert any(c.value.startswith("step time:") for c in page.caption)
+
+    page.number_input(key="config_plan_gpus").set_value(2).run()
+    [table2] = page.dataframe
+    assert table2.value["allocated GiB"].iloc[3] < table.value["allocated GiB"].iloc[3]  # the update, sharded over 2
+    assert C.config_from_yaml_text(page.session_state[presets.SESSION_KEY])[0].trainer.n_gpus_per_node == 1  # as it was
+
+    # a GPU count set in the config becomes the panel's
+    page.text_area(key="config_yaml").input(C.set_yaml_value(TINY, "trainer.n_gpus_per_node", 2)).run()
+    assert page.number_input(key="config_plan_gpus").value == 2
+
+
+def test_the_plan_panel_says_a_huge_config_does_not_fit_and_what_to_change(page):
+    huge = TINY
+    for key, value in (("data.train_batch_size", 64), ("actor_rollout_ref.rollout.n", 16),
+                       ("actor_rollout_ref.actor.ppo_mini_batch_size", 64),
+                       ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 256),
+                       ("data.max_prompt_length", 4096), ("data.max_response_length", 28672)):
+        huge = C.set_yaml_value(huge, key, value)
+    open_plan(page, huge)
+    page.selectbox(key="config_plan_gpu").select("l4").run()
+    assert not page.exception
+    [verdict] = plan_verdicts(page)
+    assert verdict.startswith("does not fit") and "l4" in verdict
+    assert any("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=" in m.value for m in page.markdown)
+
+
+def test_the_plan_panel_shows_nothing_for_an_invalid_config(page):
+    open_plan(page, TINY.replace("train_batch_size: 4", "train_batch_size: 6"))
+    assert not page.exception
+    assert any("is not divisible by" in e for e in errors(page))  # the page's own message, once
+    assert len(page.dataframe) == 0 and plan_verdicts(page) == []

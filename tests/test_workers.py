@@ -6,6 +6,7 @@ import socket
 
 import torch
 
+from backend import algos
 from backend.config import load_config, to_dict
 from backend.models import load_model
 from backend.rollout import left_pad
@@ -87,3 +88,20 @@ def test_the_sharded_actor_computes_the_log_probs_of_the_plain_model(sample_sets
     plain = load_model("tiny-qwen3", torch.device("cpu")).eval()
     expected, _ = response_log_probs(plain, batch["input_ids"], batch["attention_mask"], 4)
     torch.testing.assert_close(worker.compute_log_prob(batch)[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_log_probs_and_their_gradients_equal_a_whole_log_softmax(monkeypatch):
+    monkeypatch.setattr(algos, "LOG_PROB_CHUNK_TOKENS", 10)  # 2 rows of 5 positions a chunk
+    logits = torch.randn(5, 5, 11, requires_grad=True)
+    targets = torch.randint(0, 11, (5, 5))
+    weights = torch.randn(5, 5)
+    lp, ent = algos.token_log_probs(logits, targets, temperature=0.7, with_entropy=True)
+    (lp * weights).sum().backward()
+    chunked_grad = logits.grad.clone()
+    logits.grad = None
+    whole = torch.log_softmax(logits / 0.7, -1)
+    expected = whole.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(lp, expected)
+    torch.testing.assert_close(ent, -(whole.exp() * whole).sum(-1).detach())
+    torch.testing.assert_close(chunked_grad, logits.grad)

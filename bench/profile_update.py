@@ -1,0 +1,65 @@
+"""Where the update's time goes: one worker in this process generates a batch, takes one update as a
+warm-up (compilation), then a second under torch.profiler; prints the top operators by device time and
+the share of the update the device was busy.
+
+    python bench/profile_update.py configs/default.yaml [key=value ...] --device cuda --rows-note "..."
+
+Use the same overrides as the benchmark (bench/perf_gpu.sh builds the workload model and prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent))
+
+import reference_step  # noqa: E402
+
+from backend.config import load_config, to_dict  # noqa: E402
+from backend.workers import ActorRolloutRefWorker  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_intermixed_args()
+    cfg = load_config(args.config, args.overrides)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = ActorRolloutRefWorker(to_dict(cfg), 0, 1, "127.0.0.1", port, args.device, total_steps=3)
+    batch = reference_step.rollout_batch(worker, cfg)
+    rows = batch["responses"].shape[0]
+    start = time.perf_counter()
+    worker.update_actor(batch, mini_rows=rows)
+    print(f"warm-up update: {time.perf_counter() - start:.2f} s")
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if args.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        worker.update_actor(batch, mini_rows=rows)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=args.top, max_name_column_width=60))
+    if args.device == "cuda":
+        busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+        print(f"profiled update: {wall:.2f} s wall, device busy {busy:.2f} s ({100 * busy / wall:.0f}%)")
+    worker.shutdown()
+
+
+if __name__ == "__main__":
+    main()

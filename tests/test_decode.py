@@ -1,0 +1,76 @@
+"""The workbench rollout engine samples what Hugging Face generate samples, follows the actor's weights,
+and is refused, with the reason, for models it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config
+
+from backend import checks, decode
+from backend.config import load_config
+from backend.decode import StaticCacheEngine
+from backend.models import load_model, load_tokenizer, model_config
+from backend.rollout import HFGenerateEngine, SamplingParams
+from tests.conftest import tiny_overrides
+
+PROMPTS = ("2 + 3 =", "what is 7 - 4?", "9 - 1 = ?", "Tom has 3 apples and buys 4 more. How many apples?")
+SETTINGS = [
+    SamplingParams(n=2, max_new_tokens=24, greedy=True),
+    SamplingParams(n=3, max_new_tokens=24, seed=5),
+    SamplingParams(n=2, max_new_tokens=24, seed=9, temperature=0.7, top_k=40, top_p=0.9),
+    SamplingParams(n=2, max_new_tokens=24, seed=9, ignore_eos=True),
+]
+
+
+def _engines(name: str, batch_size: int):
+    model = load_model(name, torch.device("cpu")).eval()
+    tokenizer = load_tokenizer(name)
+    ours = StaticCacheEngine(model, tokenizer, batch_size, torch.device("cpu"), torch.float32, max_len=64)
+    ours.load_weights(model)
+    return model, tokenizer, ours, HFGenerateEngine(model, tokenizer, batch_size=batch_size)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama"])
+@pytest.mark.parametrize("params", SETTINGS, ids=["greedy", "sampled", "top-k-top-p", "ignore-eos"])
+def test_the_engine_generates_what_hugging_face_generate_does(name, params):
+    # batch_size 5 splits the rows into uneven chunks, so state carried between chunks would show.
+    _, tokenizer, ours, hf = _engines(name, batch_size=5)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    expected, got = hf.generate(prompts, params, first_row=3), ours.generate(prompts, params, first_row=3)
+    assert torch.equal(got.responses, expected.responses)
+    assert torch.equal(got.input_ids, expected.input_ids)
+    assert torch.equal(got.response_mask, expected.response_mask)
+    assert got.finish_reasons == expected.finish_reasons
+    if params.ignore_eos:
+        assert got.responses.shape[1] == params.max_new_tokens and set(got.finish_reasons) == {"length"}
+
+
+def test_the_engine_follows_the_weights_it_is_given():
+    model, tokenizer, ours, _ = _engines("tiny-llama", batch_size=8)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    params = SamplingParams(n=1, max_new_tokens=12, greedy=True)
+    before = ours.generate(prompts, params).responses
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    assert torch.equal(ours.generate(prompts, params).responses, before)  # still its own copy
+    ours.load_weights(model)
+    after = ours.generate(prompts, params).responses
+    assert not torch.equal(after, before)
+    assert torch.equal(after, HFGenerateEngine(model, tokenizer, batch_size=8).generate(prompts, params).responses)
+
+
+def test_models_the_engine_cannot_run_are_named_with_the_reason(tmp_path, sample_sets):
+    assert decode.unsupported_reason(model_config("tiny-qwen3")) is None
+    gpt2 = tmp_path / "gpt2"
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=512, architectures=["GPT2LMHeadModel"])
+    config.save_pretrained(gpt2)
+    load_tokenizer("tiny-qwen3").save_pretrained(gpt2)
+    assert "GPT2LMHeadModel" in decode.unsupported_reason(model_config(str(gpt2)))
+    cfg = load_config("configs/default.yaml", tiny_overrides(sample_sets) + [
+        f"actor_rollout_ref.model.path={gpt2}", "actor_rollout_ref.rollout.name=workbench"])
+    problems = checks.preflight(cfg)
+    assert any("rollout.name=workbench cannot run" in p and "GPT2LMHeadModel" in p for p in problems), problems
+    auto = load_config("configs/default.yaml", tiny_overrides(sample_sets) + [f"actor_rollout_ref.model.path={gpt2}"])
+    assert not any("rollout.name" in p for p in checks.preflight(auto))

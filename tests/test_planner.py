@@ -1,0 +1,308 @@
+"""The memory and time plan (backend.planner): each formula against numbers worked out here for tiny-qwen3,
+the directions the suggestions rely on, and `python -m backend plan` as a user runs it."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from backend import planner
+from backend.config import ConfigError, load_config
+
+from .conftest import REPO
+
+GiB = 2**30
+DEFAULT = REPO / "configs/default.yaml"
+
+# tiny-qwen3 (backend.models._build_tiny): 2 layers, hidden 64, vocab 512, 2 KV heads of 16, tied embeddings
+P, P_LAYER, P_ROOT = 106_880, 37_024, 32_832
+L, H, V, HKV, D = 2, 64, 512, 2, 16
+
+# round numbers, so each term below is the formula and nothing else
+CHOSEN = {"activation_bytes": 10.0, "logprob_activation_copies": 4.0, "sampling_bytes_per_vocab": 26.0,
+          "fragmentation": 1.5, "cuda_overhead_gib": 1.0, "mfu": 0.5, "decode_efficiency_hf": 0.5,
+          "decode_step_overhead_hf_s": 0.0, "decode_layer_overhead_hf_s": 0.0, "decode_efficiency_workbench": 0.25,
+          "micro_batch_overhead_s": 0.0}
+
+
+def tiny(*overrides: str):
+    return load_config(DEFAULT, ["actor_rollout_ref.model.path=tiny-qwen3", *overrides])
+
+
+# 2 GPUs, 4 prompts x 4 = 16 responses (8 per rank), mini-batches of 2 prompts (two optimizer steps, so old
+# log-probs run), sequences of 100 + 28 = 128 tokens, a reference (use_kl_loss), our own engine.
+WORKED = ("trainer.n_gpus_per_node=2", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
+          "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+          "data.max_prompt_length=100", "data.max_response_length=28",
+          "actor_rollout_ref.rollout.generation_batch_size=5",
+          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3",
+          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.name=workbench")
+
+
+@pytest.fixture(scope="module")
+def worked() -> planner.Plan:
+    return planner.plan(tiny(*WORKED), gpu="h200", calibration=CHOSEN)
+
+
+def test_tiny_qwen3_dimensions_come_from_its_config_and_a_meta_instance():
+    dims = planner.model_dims("tiny-qwen3")
+    assert (dims.params, dims.layer_params, dims.root_params) == (P, P_LAYER, P_ROOT)
+    assert dims.root_params == V * H + H  # tied embedding and head counted once, plus the final norm
+    assert (dims.layers, dims.hidden, dims.vocab, dims.kv_heads, dims.head_dim) == (L, H, V, HKV, D)
+    assert planner.model_dims("tiny-qwen3") is dims  # cached per path
+
+
+def test_held_memory_is_the_sharded_actor_reference_and_the_engines_full_copy(worked):
+    W, c = 2, 2
+    assert worked.held == {"actor fp32 master shard": 4 * P / W,   # 213,760
+                           "AdamW states": 8 * P / W,               # 427,520
+                           "fp32 gradients": 4 * P / W,             # 213,760
+                           "reference shard (bf16)": c * P / W,     # 106,880
+                           "rollout engine weights (bf16)": c * P}  # 213,760
+    assert sum(worked.held.values()) == 1_175_680
+    assert (worked.rows_per_step, worked.rows_per_rank, worked.seq_len, worked.response_len) == (16, 8, 128, 28)
+
+
+def test_generation_terms(worked):
+    gen = worked.phase("generation")
+    bg, T, c = 5, 128, 2  # generation_batch_size 5 < 8 rows per rank
+    own = {k: v for k, v in gen.terms.items() if k not in worked.held}
+    assert own == {"KV cache": bg * T * L * 2 * HKV * D * c,                   # 163,840
+                   "sampling temporaries": bg * V * 26,                        # 66,560
+                   "weights gathered for the engine copy": c * P}              # 213,760
+    assert gen.allocated == 1_175_680 + 163_840 + 66_560 + 213_760
+    assert gen.reserved == gen.allocated * 1.5 + 1 * GiB
+
+
+def test_log_prob_terms_use_each_passs_micro_batch_capped_at_the_rows_of_a_rank(worked):
+    T, R, c = 128, 28, 2
+    gathered = c * (P_LAYER + P_ROOT)  # 139,712
+    # (pass, micro-batch, fp32 bytes per chunk position: the old pass also takes the entropy)
+    for name, m, fp32 in (("old log-prob", 3, 16), ("reference log-prob", 8, 8)):  # ref micro 16 > 8 rows
+        phase = worked.phase(name)
+        assert phase.runs
+        own = {k: v for k, v in phase.terms.items() if k not in worked.held}
+        # the micro-batch's m * R positions fit in one 2,048-position chunk
+        assert own == {"gathered layer + root": gathered, "logits": m * (R + 1) * V * c,
+                       "fp32 log-softmax of one chunk": m * R * V * fp32, "activations": m * T * H * c * 4}, name
+    assert worked.phase("old log-prob").terms["logits"] == 89_088
+    assert worked.phase("reference log-prob").terms["fp32 log-softmax of one chunk"] == 917_504
+
+
+def test_the_fp32_log_softmax_is_counted_for_one_chunk_not_the_micro_batch():
+    big = planner.plan(tiny(*WORKED, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+                            "data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64",
+                            "data.max_response_length=100"), gpu="h200", calibration=CHOSEN)
+    chunk = (2048 // 100) * 100  # whole rows of 100 positions, far fewer than the micro-batch's 6,400
+    assert big.phase("update").terms["fp32 log-softmax of one chunk"] == chunk * V * 16
+    assert big.phase("update").terms["logits + gradient"] == 2 * 64 * 101 * V * 2
+
+
+def test_update_terms_with_and_without_gradient_checkpointing(worked):
+    T, R, c, m, A = 128, 28, 2, 4, 10
+    update = worked.phase("update")
+    own = {k: v for k, v in update.terms.items() if k not in worked.held}
+    assert own == {"activations kept for backward": m * T * L * H * A,  # 655,360
+                   "logits + gradient": 2 * m * (R + 1) * V * c,  # 237,568
+                   "fp32 log-softmax of one chunk": m * R * V * 16,  # 917,504
+                   "gathered layer + root": c * (P_LAYER + P_ROOT)}
+    assert update.allocated == 1_175_680 + 655_360 + 237_568 + 917_504 + 139_712
+    # the update holds more of its own (1,950,144, m=4) than the reference pass (1,819,072, m=8)
+    ref = worked.phase("reference log-prob")
+    assert ref.allocated == 1_175_680 + 139_712 + 237_568 + 917_504 + 524_288
+    assert worked.peak_phase == "update" and worked.need_gib == update.reserved / GiB
+
+    gc = planner.plan(tiny(*WORKED, "actor_rollout_ref.model.enable_gradient_checkpointing=true"), gpu="h200",
+                      calibration=CHOSEN).phase("update")
+    assert gc.terms["checkpointed layer inputs"] == m * T * H * c * L  # 131,072
+    assert gc.terms["activations of one layer"] == m * T * H * A       # 327,680
+    assert "activations kept for backward" not in gc.terms
+
+
+def test_step_time_terms(worked):
+    flops, bw = 989e12 * 0.5, 4.8e12 * 0.25  # h200 at the chosen MFU and workbench decode efficiency
+    kv, tokens = 163_840, 8 * 128
+    gen = math.ceil(8 / 5) * (28 * (2 * P + 0.5 * kv) / bw + 2 * P * 5 * 100 / flops)
+    assert worked.phase("generation").seconds == pytest.approx(gen)
+    assert worked.phase("reference log-prob").seconds == pytest.approx(2 * P * tokens / flops)
+    assert worked.phase("update").seconds == pytest.approx(6 * P * tokens / flops)
+    assert worked.step_seconds == pytest.approx(gen + 2 * (2 * P * tokens / flops) + 6 * P * tokens / flops)
+    gc = planner.plan(tiny(*WORKED, "actor_rollout_ref.model.enable_gradient_checkpointing=true"), gpu="h200",
+                      calibration=CHOSEN)
+    assert gc.phase("update").seconds == pytest.approx(8 * P * tokens / flops)
+
+
+def test_hf_engine_holds_no_copy_but_gathers_the_actor_for_generation():
+    p = planner.plan(tiny(*WORKED, "actor_rollout_ref.rollout.name=hf"), gpu="h200", calibration=CHOSEN)
+    assert not any(k.startswith("rollout engine weights") for k in p.held)
+    assert p.phase("generation").terms["actor weights gathered for sampling"] == 2 * P
+    assert p.phase("update").allocated == 1_175_680 - 2 * P + 655_360 + 237_568 + 917_504 + 139_712
+
+
+def test_phases_that_the_step_skips_are_not_counted():
+    p = planner.plan(tiny("actor_rollout_ref.actor.use_kl_loss=false"), gpu="h200")
+    assert not p.phase("old log-prob").runs  # one mini-batch, one epoch: on-policy
+    assert not p.phase("reference log-prob").runs
+    assert not any(k.startswith("reference shard") for k in p.held)
+    assert p.phase("reference log-prob").seconds is None
+
+
+def update_peak(*overrides: str) -> float:
+    return planner.plan(tiny(*overrides), gpu="h200").phase("update").reserved
+
+
+def test_checkpointing_a_smaller_micro_batch_offload_and_more_gpus_each_lower_the_update_peak():
+    base = ("data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "data.max_response_length=512")
+    peak = update_peak(*base)
+    assert update_peak(*base, "actor_rollout_ref.model.enable_gradient_checkpointing=true") < peak
+    assert update_peak(*base[:-2], "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", base[-1]) < peak
+    assert update_peak(*base, "actor_rollout_ref.actor.fsdp_config.offload_policy=true") < peak
+    assert update_peak(*base, "trainer.n_gpus_per_node=2") < peak
+
+
+def test_kv_cache_scales_with_the_generation_batch_and_the_sequence_length():
+    def kv(*overrides: str) -> float:
+        return planner.plan(tiny("data.train_batch_size=16", *overrides), gpu="h200").phase("generation").terms[
+            "KV cache"]
+
+    base = kv("actor_rollout_ref.rollout.generation_batch_size=8")
+    assert kv("actor_rollout_ref.rollout.generation_batch_size=16") == 2 * base
+    # T from 128 + 64 to 320 + 64
+    assert kv("actor_rollout_ref.rollout.generation_batch_size=8", "data.max_prompt_length=320") == 2 * base
+    # never more sequences at once than a rank generates: 64 rows
+    assert kv("actor_rollout_ref.rollout.generation_batch_size=1000") == kv(
+        "actor_rollout_ref.rollout.generation_batch_size=64")
+
+
+HUGE = ("data.train_batch_size=64", "actor_rollout_ref.rollout.n=16", "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=256", "data.max_prompt_length=4096",
+        "data.max_response_length=28672", "actor_rollout_ref.rollout.generation_batch_size=1024")
+
+
+def test_a_config_that_does_not_fit_gets_suggestions_that_replanning_confirms():
+    p = planner.plan(tiny(*HUGE), gpu="l4")
+    assert not p.fits and p.need_gib > 24 and "does not fit" in p.verdict
+    by_key = {s.changes[0][0]: s for s in p.suggestions if len(s.changes) == 1}
+    micro = by_key["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"]
+    assert micro.fits and micro.changes[0][1] < 256
+    assert 1024 % micro.changes[0][1] == 0  # divides a rank's mini-batch, so the changed config is valid
+    assert "actor_rollout_ref.model.enable_gradient_checkpointing" in by_key
+    for s in p.suggestions:
+        again = planner.plan(tiny(*HUGE, *s.overrides), gpu="l4")
+        assert again.need_gib == pytest.approx(s.need_gib)
+        assert s.saves_gib == pytest.approx(p.need_gib - again.need_gib)
+        assert s.saves_gib > 0
+
+
+def test_when_no_change_fits_alone_the_cheapest_changes_together_do_and_replanning_confirms():
+    huge = (*HUGE, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1024")  # the reference pass is huge too
+    p = planner.plan(tiny(*huge), gpu="l4")
+    assert not any(s.fits for s in p.suggestions if len(s.changes) == 1)
+    [together] = [s for s in p.suggestions if len(s.changes) > 1]
+    assert together.fits
+    keys = [key for key, _ in together.changes]
+    # both passes are over the GPU, so lowering either micro-batch alone cannot fit: both are needed
+    assert set(keys[:2]) == {"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"}
+    assert "actor_rollout_ref.actor.fsdp_config.offload_policy" not in keys  # not needed, so not asked for
+    again = planner.plan(tiny(*huge, *together.overrides), gpu="l4")
+    assert again.fits and again.need_gib == pytest.approx(together.need_gib)
+    assert "or all of these together" in planner.format_plan(p)
+
+
+def test_a_config_that_fits_has_headroom_and_no_suggestions():
+    p = planner.plan(tiny(), gpu="h200")
+    assert p.fits and p.suggestions == []
+    assert p.verdict.startswith("fits") and "headroom" in p.verdict
+
+
+def test_offload_moves_the_actors_state_to_host_memory():
+    p = planner.plan(tiny("actor_rollout_ref.actor.fsdp_config.offload_policy=true"), gpu="h200")
+    assert not any(k.startswith(("actor fp32", "AdamW", "fp32 gradients")) for k in p.held)
+    assert p.host_gib_per_worker == pytest.approx(16 * P / GiB)
+    assert any("offloaded to CPU memory" in n for n in p.notes)
+
+
+def test_on_cpu_gpu_memory_does_not_apply_and_the_host_total_is_given():
+    p = planner.plan(tiny("trainer.device=cpu", "trainer.n_gpus_per_node=2"))
+    assert p.device == "cpu" and p.gpu is None and p.compute_bytes == 4
+    assert p.step_seconds is None and all(ph.seconds is None for ph in p.phases)
+    peak = max(ph.allocated for ph in p.phases if ph.runs)
+    assert p.need_gib == pytest.approx(2 * peak / GiB)  # both workers of the node, no fragmentation factor
+    assert "GPU memory does not apply" in p.verdict and "host memory" in p.verdict
+
+
+def test_gpu_defaults_to_the_visible_one_else_h200_with_a_note(monkeypatch):
+    monkeypatch.setattr(planner, "visible_gpu", lambda: None)
+    p = planner.plan(tiny())
+    assert p.gpu.name == "h200" and any("no CUDA GPU is visible" in n for n in p.notes)
+    monkeypatch.setattr(planner, "visible_gpu", lambda: planner.GPU("NVIDIA Mystery", 12.0, None, None))
+    p = planner.plan(tiny())
+    assert p.gpu.memory_gib == 12.0 and p.step_seconds is None
+    assert any("not in the table" in n for n in p.notes)
+    with pytest.raises(ValueError, match="choose one of h200"):
+        planner.plan(tiny(), gpu="v100")
+
+
+@pytest.mark.parametrize(("name", "memory", "kind"), [
+    ("NVIDIA H200", 139.8, "h200"), ("NVIDIA H100 80GB HBM3", 79.2, "h100"),
+    ("NVIDIA A100-SXM4-80GB", 79.2, "a100-80gb"), ("NVIDIA A100-PCIE-40GB", 39.4, "a100-40gb"),
+    ("NVIDIA L40S", 44.5, "l40s"), ("NVIDIA GeForce RTX 4090", 23.6, "rtx4090"),
+    ("NVIDIA L4", 22.0, "l4"), ("NVIDIA L40", 44.5, None), ("Tesla V100-SXM2-16GB", 15.8, None)])
+def test_cuda_device_names_match_the_table(name, memory, kind):
+    assert planner.match_gpu(name, memory) == kind
+
+
+def test_more_gpus_than_the_batch_splits_into_is_a_config_error():
+    with pytest.raises(ConfigError, match="does not split into micro-batches"):
+        planner.plan(tiny(), gpu="h200", gpus=3)
+    assert planner.plan(tiny(), gpu="h200", gpus=2).world_size == 2
+
+
+def test_the_text_names_the_model_ranks_phases_time_and_verdict():
+    text = planner.format_plan(planner.plan(tiny(*HUGE), gpu="l4"))
+    assert "tiny-qwen3 (Qwen3ForCausalLM), 106.9K parameters" in text
+    assert "ranks: 1 (1 per node) on l4 GPUs" in text
+    for phase in planner.PHASES:
+        assert f"\n{phase}" in text
+    assert "step time:" in text and "verdict: does not fit" in text
+    assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=" in text
+
+
+# ---- the command line ----
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "backend", "plan", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_plan_of_the_default_config_with_tiny_qwen3_fits_an_h200():
+    result = cli("configs/default.yaml", "actor_rollout_ref.model.path=tiny-qwen3", "--gpu", "h200")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "106.9K parameters" in out and "ranks: 1" in out
+    assert "phase" in out and "allocated" in out and "reserved" in out
+    for phase in ("generation", "old log-prob", "reference log-prob", "update"):
+        assert phase in out
+    assert "step time:" in out and "verdict: fits" in out
+
+
+def test_cli_plan_of_a_huge_config_on_an_l4_exits_1_and_says_what_to_change():
+    result = cli("configs/default.yaml", "actor_rollout_ref.model.path=tiny-qwen3", "--gpu", "l4", *HUGE)
+    assert result.returncode == 1, result.stderr
+    assert "verdict: does not fit" in result.stdout
+    assert "ppo_micro_batch_size_per_gpu=" in result.stdout or "enable_gradient_checkpointing=true" in result.stdout
+
+
+def test_cli_plan_of_a_bad_config_exits_2_with_the_config_error():
+    result = cli("configs/default.yaml", "data.train_batch_size=6", "--gpus", "1")
+    assert result.returncode == 2
+    assert "error: invalid config:" in result.stderr
+    assert "data.train_batch_size=6 is not divisible by actor_rollout_ref.actor.ppo_mini_batch_size=4" in result.stderr
