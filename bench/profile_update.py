@@ -56,7 +56,8 @@ def main() -> None:
     sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=args.top, max_name_column_width=60))
     if args.device == "cuda":
-        busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.self_device_time_total for e in kernels) / 1e6
         print(f"profiled update: {wall:.2f} s wall, device busy {busy:.2f} s ({100 * busy / wall:.0f}%)")
     worker.shutdown()
 
