@@ -86,6 +86,8 @@ ESSENTIAL = (
 _OFF_AS_ZERO = ("actor_rollout_ref.rollout.top_k", "trainer.save_freq", "trainer.test_freq",
                 "trainer.total_training_steps", "trainer.max_checkpoints_to_keep",
                 "actor_rollout_ref.actor.optim.lr_warmup_steps")
+# verl rollout engines that from_verl_script maps to our fast engine (rollout.name=auto).
+_FAST_ENGINES = ("vllm", "sglang")
 _ASSIGN = re.compile(r"^([A-Za-z_]\w*)=(.*)$", re.S)
 _VAR = re.compile(r"\$(?:\{([A-Za-z_]\w*)(?::?-([^}]*))?\}|([A-Za-z_]\w*))")
 _SHELL_OPS = {"|", "||", "&", "&&", ";", ">", ">>", "<", "2>&1", "1>&2"}
@@ -179,8 +181,10 @@ def from_verl_script(text: str) -> tuple[dict, list[str]]:
         tp, meta = specs[key]
         if key in _OFF_AS_ZERO and (value is None or value == -1):
             value = 0
-        if key == "actor_rollout_ref.rollout.name" and value != "hf":
-            notes.append(f"{arg}: needs the {value} engine, which is not built here; generation uses hf")
+        if key == "actor_rollout_ref.rollout.name" and value in _FAST_ENGINES:
+            value = "auto"  # verl's fast engines; here the workbench engine plays their part
+        elif key == "actor_rollout_ref.rollout.name" and value != "hf":
+            notes.append(f"{arg}: needs the {value} engine, which is not built here; generation uses auto")
             continue
         if key == "trainer.logger":
             value = value if isinstance(value, list) else [value]
@@ -205,6 +209,8 @@ def from_verl_script(text: str) -> tuple[dict, list[str]]:
 
 
 def _verl_value(key: str, value: Any) -> Any:
+    if key == "actor_rollout_ref.rollout.name" and value in ("auto", "workbench"):
+        return "vllm"  # verl has no workbench engine; vLLM is its fast one
     if key in _OFF_AS_ZERO and value == 0:
         return None if key in ("trainer.total_training_steps", "trainer.max_checkpoints_to_keep") else -1
     if key == "trainer.logger":

@@ -114,7 +114,11 @@ def worker_device(cfg: Config) -> str:
 class WorkerGroup:
     """`trainer.nnodes x trainer.n_gpus_per_node` ranks, placed together, one torch.distributed group."""
 
-    def __init__(self, cfg: Config, total_steps: int, pad_id: int):
+    def __init__(self, cfg: Config, total_steps: int, pad_id: int,
+                 on_head_lost: Callable[[str], None] | None = None):
+        """on_head_lost(message) runs on the watch thread the moment the Ray head is found gone, before
+        the main thread is interrupted: a main thread blocked inside a Ray call may never see the
+        interrupt before Ray ends the process, so what must be recorded is recorded there."""
         from backend.workers import ActorRolloutRefWorker
 
         start_ray(cfg)
@@ -150,7 +154,12 @@ class WorkerGroup:
         # Dropping the group (or the Trainer holding it) stops the ranks and frees their placement.
         self._stop = weakref.finalize(self, _stop, list(self.workers), self.placement)
         # The trainer's main thread learns of a lost head as an interrupt, the way it learns of Ctrl-C.
-        self.head = HeadWatch(ray.get_runtime_context().gcs_address, lambda _: _thread.interrupt_main())
+        def lost(message: str) -> None:
+            if on_head_lost is not None:
+                on_head_lost(message)
+            _thread.interrupt_main()
+
+        self.head = HeadWatch(ray.get_runtime_context().gcs_address, lost)
         self.where: list[dict] = [{"rank": r} for r in range(self.world_size)]
         self.where = self._run([w.where.remote() for w in self.workers], "start-up")
 
