@@ -7,6 +7,7 @@ advantages and the update, and writes everything into the run directory.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -127,8 +128,10 @@ class Trainer:
         world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
         self.stage(f"starting {world} worker(s) and loading models", force=True)
         seed_everything(cfg.trainer.seed)
+        # The watch thread gets the run directory, not the trainer: holding the trainer would keep a dropped
+        # one (and its workers) alive.
         self.workers = WorkerGroup(cfg, self.total_steps, pad_id=self.tokenizer.pad_token_id,
-                                   on_head_lost=self._record_head_lost)
+                                   on_head_lost=functools.partial(_record_head_lost, self.run))
         self.run.write_status("running", workers=self.workers.where)
         self.has_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.rollout = self.workers  # the group is the rollout engine: each rank generates its share
@@ -193,15 +196,6 @@ class Trainer:
         finally:
             stop()
             self.tracking.close()
-
-    def _record_head_lost(self, message: str) -> None:
-        """Called from the head-watch thread: the status says failed, with why, even if Ray ends this
-        process (it does 60 s after losing its head) before the main thread gets to `_record_failure`."""
-        try:
-            self.run.write_status("failed", stage="failed", finished=time.time(),
-                                  error=f"{WorkerError.__name__}: {message}")
-        except OSError as write_error:
-            print(f"could not record the lost Ray head in {self.run.status}: {write_error}\n{message}", flush=True)
 
     def _record_failure(self, e: BaseException) -> None:
         """Stop the workers and write the failure, with what to do, into status.json."""
@@ -577,3 +571,12 @@ def _alive(pid: int | None) -> bool:
     except OSError:
         return False
     return True
+
+
+def _record_head_lost(run: RunDir, message: str) -> None:
+    """Called from the head-watch thread: the status says failed, with why, even if Ray ends the process
+    (it does 60 s after losing its head) before the main thread gets to `Trainer._record_failure`."""
+    try:
+        run.write_status("failed", stage="failed", finished=time.time(), error=f"{WorkerError.__name__}: {message}")
+    except OSError as write_error:
+        print(f"could not record the lost Ray head in {run.status}: {write_error}\n{message}", flush=True)
