@@ -575,7 +575,10 @@ def _alive(pid: int | None) -> bool:
 
 def _record_head_lost(run: RunDir, message: str) -> None:
     """Called from the head-watch thread: the status says failed, with why, even if Ray ends the process
-    (it does 60 s after losing its head) before the main thread gets to `Trainer._record_failure`."""
+    (it does 60 s after losing its head) before the main thread gets to `Trainer._record_failure`. A run
+    already ended (a stop signals Ray's processes too, so the head goes then as well) keeps its state."""
+    if (read_status(run.root) or {}).get("state", "running") != "running":
+        return
     try:
         run.write_status("failed", stage="failed", finished=time.time(), error=f"{WorkerError.__name__}: {message}")
     except OSError as write_error:
