@@ -67,6 +67,28 @@ class _Layer:
     down: torch.Tensor
 
 
+def _layer_sources(layer) -> dict[str, list[torch.Tensor] | None]:
+    """Each `_Layer` field's source tensors in a Hugging Face decoder layer (fused ones in order), or None."""
+    att, mlp = layer.self_attn, layer.mlp
+
+    def optional(module, name: str) -> list[torch.Tensor] | None:
+        tensor = getattr(module, name, None) if module is not None else None
+        return None if tensor is None else [tensor]
+
+    return {
+        "ln1": [layer.input_layernorm.weight],
+        "qkv": [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight],
+        "qkv_bias": None if att.q_proj.bias is None else [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias],
+        "q_norm": optional(getattr(att, "q_norm", None), "weight"),
+        "k_norm": optional(getattr(att, "k_norm", None), "weight"),
+        "o": [att.o_proj.weight],
+        "o_bias": optional(att.o_proj, "bias"),
+        "ln2": [layer.post_attention_layernorm.weight],
+        "gate_up": [mlp.gate_proj.weight, mlp.up_proj.weight],
+        "down": [mlp.down_proj.weight],
+    }
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as Hugging Face's Llama computes it: normalise in fp32, scale in the input dtype."""
     xf = x.float()
@@ -122,43 +144,32 @@ class StaticCacheEngine:
 
     @torch.no_grad()
     def load_weights(self, model) -> None:
-        """Copy the model's current (whole, gathered) weights into the engine's buffers, in place."""
+        """Copy the model's current (whole, gathered) weights into the engine's buffers: allocated on the
+        first call, overwritten in place (slice by slice, no temporary) on later ones."""
         base = model.model
         first = not self.layers
-
-        def put(dst: torch.Tensor | None, *parts: torch.Tensor) -> torch.Tensor:
-            src = torch.cat([p.detach() for p in parts]) if len(parts) > 1 else parts[0].detach()
-            if dst is None:
-                return src.to(device=self.device, dtype=self.dtype, copy=True)
-            return dst.copy_(src)
-
-        def maybe(dst, module, name):
-            t = getattr(module, name, None)
-            return None if t is None else put(dst, t)
-
         for i, layer in enumerate(base.layers):
-            att, mlp = layer.self_attn, layer.mlp
-            old = None if first else self.layers[i]
-            bias = None
-            if att.q_proj.bias is not None:
-                bias = put(None if first else old.qkv_bias, att.q_proj.bias, att.k_proj.bias, att.v_proj.bias)
-            new = _Layer(
-                ln1=put(None if first else old.ln1, layer.input_layernorm.weight),
-                qkv=put(None if first else old.qkv, att.q_proj.weight, att.k_proj.weight, att.v_proj.weight),
-                qkv_bias=bias,
-                q_norm=maybe(None if first else old.q_norm, att.q_norm, "weight") if hasattr(att, "q_norm") else None,
-                k_norm=maybe(None if first else old.k_norm, att.k_norm, "weight") if hasattr(att, "k_norm") else None,
-                o=put(None if first else old.o, att.o_proj.weight),
-                o_bias=maybe(None if first else old.o_bias, att.o_proj, "bias"),
-                ln2=put(None if first else old.ln2, layer.post_attention_layernorm.weight),
-                gate_up=put(None if first else old.gate_up, mlp.gate_proj.weight, mlp.up_proj.weight),
-                down=put(None if first else old.down, mlp.down_proj.weight),
-            )
+            sources = _layer_sources(layer)
             if first:
-                self.layers.append(new)
-        self.embed = put(self.embed, base.embed_tokens.weight)
-        self.norm = put(self.norm, base.norm.weight)
-        self.lm_head = self.embed if self.tied else put(self.lm_head, model.lm_head.weight)
+                self.layers.append(_Layer(**{k: self._fill(None, v) for k, v in sources.items()}))
+            else:
+                for k, v in sources.items():
+                    self._fill(getattr(self.layers[i], k), v)
+        self.embed = self._fill(self.embed, [base.embed_tokens.weight])
+        self.norm = self._fill(self.norm, [base.norm.weight])
+        self.lm_head = self.embed if self.tied else self._fill(self.lm_head, [model.lm_head.weight])
+
+    def _fill(self, dst: torch.Tensor | None, parts: list[torch.Tensor] | None) -> torch.Tensor | None:
+        """`parts` stacked along dim 0 into `dst` (a new buffer in the engine's device and dtype if None)."""
+        if parts is None:
+            return None
+        if dst is None:
+            return torch.cat([p.detach() for p in parts]).to(device=self.device, dtype=self.dtype)
+        start = 0
+        for p in parts:
+            dst[start:start + p.shape[0]].copy_(p.detach())
+            start += p.shape[0]
+        return dst
 
     # ---- the model ----
 

@@ -10,7 +10,6 @@ Use the same overrides as the benchmark (bench/perf_gpu.sh builds the workload m
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import time
 from pathlib import Path
@@ -35,10 +34,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     args = p.parse_intermixed_args()
     cfg = load_config(args.config, args.overrides)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    worker = ActorRolloutRefWorker(to_dict(cfg), 0, 1, "127.0.0.1", port, args.device, total_steps=3)
+    worker = ActorRolloutRefWorker(to_dict(cfg), 0, 1, "127.0.0.1", reference_step.free_port(), args.device,
+                                   total_steps=3)
     batch = reference_step.rollout_batch(worker, cfg)
     rows = batch["responses"].shape[0]
     start = time.perf_counter()

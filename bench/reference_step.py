@@ -31,7 +31,7 @@ from backend.rollout import SamplingParams, left_pad  # noqa: E402
 from backend.workers import ActorRolloutRefWorker  # noqa: E402
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -96,7 +96,7 @@ def reference_step(model_path: str, batch: dict[str, torch.Tensor], cfg: Config,
 def compare_first_step(cfg: Config, device: str) -> dict:
     """Run our worker's first update and the fp32 reference on the same batch; return both and whether
     they agree within the tolerance of the worker's compute dtype."""
-    worker = ActorRolloutRefWorker(to_dict(cfg), 0, 1, "127.0.0.1", _free_port(), device, total_steps=1)
+    worker = ActorRolloutRefWorker(to_dict(cfg), 0, 1, "127.0.0.1", free_port(), device, total_steps=1)
     try:
         batch = rollout_batch(worker, cfg)
         rows = batch["responses"].shape[0]
