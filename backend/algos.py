@@ -1,4 +1,5 @@
-"""Core RL algorithms: loss aggregation, KL penalties, advantage estimators and policy losses.
+"""Core RL algorithms: loss aggregation, KL penalties, reward shaping, advantage estimators, policy and
+value losses.
 
 Everything here is a pure torch function on (batch, response_len) tensors: no I/O, no config objects.
 A mask marks real response tokens with 1 (or True) and padding with 0 (or False). Padded positions are
@@ -9,11 +10,11 @@ Advantage estimators and policy losses sit in small registries so the trainer pi
 unknown name fails with the list of known ones.
 """
 
+import functools
 import inspect
 from collections.abc import Callable
 
 import torch
-import torch.utils.checkpoint
 from torch import Tensor
 
 # =====================================================================================================
@@ -228,6 +229,65 @@ class AdaptiveKLController:
 
 
 # =====================================================================================================
+# ---- DAPO reward shaping and dynamic sampling ----
+# =====================================================================================================
+
+
+def overlong_penalty(
+    response_lengths: Tensor, max_response_length: int, buffer_length: int, penalty_factor: float
+) -> Tensor:
+    """DAPO's soft overlong punishment, added to each response's score. With L = max_response_length and
+    B = buffer_length: 0 for len <= L - B, -(len - (L - B)) / B * penalty_factor inside the buffer,
+    clamped at -penalty_factor (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System
+    at Scale", section 3.4; the paper uses L = 20480, B = 4096, factor 1).
+
+    Args:
+        response_lengths: (batch,) number of valid tokens in each response.
+        max_response_length: L, the generation limit.
+        buffer_length: B, the last B tokens before L over which the penalty ramps up; 0 < B <= L.
+        penalty_factor: the penalty at length L; >= 0.
+
+    Returns (batch,) penalties in [-penalty_factor, 0], floating point.
+    """
+    if not 0 < buffer_length <= max_response_length:
+        raise ValueError(
+            f"buffer_length={buffer_length} must be > 0 and <= max_response_length={max_response_length}: "
+            "it is how many tokens before the limit the penalty ramps up over (DAPO: 4096 of 20480)"
+        )
+    if penalty_factor < 0:
+        raise ValueError(
+            f"penalty_factor={penalty_factor} must be >= 0: it is the penalty subtracted at the length limit"
+        )
+    lengths = response_lengths if response_lengths.is_floating_point() else response_lengths.float()
+    exceed = (lengths - (max_response_length - buffer_length)).clamp(0, buffer_length)
+    return -exceed / buffer_length * penalty_factor
+
+
+def groups_with_signal(scores: Tensor, group_ids: Tensor) -> Tensor:
+    """DAPO's dynamic sampling test: True for each row whose group's scores are not all equal (Yu et al.
+    2025, "DAPO", section 3.2). A group of equal scores, all right or all wrong, gets a group-relative
+    advantage of 0 everywhere and so no gradient; the sampler drops it and draws more prompts. A group
+    of one has nothing to compare with and is dropped too.
+
+    Args:
+        scores: (batch,) score of each response.
+        group_ids: (batch,) integer id of the prompt each response was sampled from; any integers.
+
+    Returns (batch,) bool.
+    """
+    if scores.dim() != 1 or group_ids.shape != scores.shape:
+        raise ValueError(
+            f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} must both be (batch,): "
+            "one score and one prompt id per response"
+        )
+    unique_ids, group_index = torch.unique(group_ids, return_inverse=True)
+    per_group = scores.new_zeros(len(unique_ids))
+    group_max = per_group.scatter_reduce(0, group_index, scores, "amax", include_self=False)
+    group_min = per_group.scatter_reduce(0, group_index, scores, "amin", include_self=False)
+    return (group_max > group_min)[group_index]
+
+
+# =====================================================================================================
 # ---- advantage estimators ----
 # =====================================================================================================
 
@@ -239,6 +299,7 @@ _ADVANTAGE_INPUTS = (
     "response_mask",
     "group_ids",
     "values",
+    "reward_baselines",
     "gamma",
     "lam",
     "epsilon",
@@ -251,8 +312,8 @@ def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
     """Decorator that registers an advantage estimator under ``name``.
 
     The function takes keyword arguments named from token_level_rewards, response_mask, group_ids,
-    values, gamma, lam, epsilon, norm_adv_by_std (only those it declares are passed) and returns
-    (advantages, returns), both (batch, response_len).
+    values, reward_baselines, gamma, lam, epsilon, norm_adv_by_std (only those it declares are passed)
+    and returns (advantages, returns), both (batch, response_len).
     """
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
@@ -295,6 +356,7 @@ def compute_advantage(
     response_mask: Tensor,
     group_ids: Tensor,
     values: Tensor | None = None,
+    reward_baselines: Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
     epsilon: float = 1e-6,
@@ -309,6 +371,7 @@ def compute_advantage(
         group_ids: (batch,) integer id of the prompt each response was sampled from; any integers, in
             any order.
         values: (batch, response_len) critic values, for "gae".
+        reward_baselines: (batch,) score of the greedy response to the same prompt, for "remax".
         gamma, lam: discount and GAE lambda.
         epsilon: added to the group std before dividing.
         norm_adv_by_std: GRPO's division by the group std.
@@ -321,6 +384,7 @@ def compute_advantage(
         "response_mask": response_mask,
         "group_ids": group_ids,
         "values": values,
+        "reward_baselines": reward_baselines,
         "gamma": gamma,
         "lam": lam,
         "epsilon": epsilon,
@@ -514,11 +578,39 @@ def gae_advantage(
     return masked_whiten(advantages, mask), returns
 
 
+@register_advantage("remax")
+def remax_advantage(
+    token_level_rewards: Tensor, response_mask: Tensor, reward_baselines: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """ReMax: G_t = sum_{t' >= t} r_t' over valid tokens, A_t = G_t - b, where b is the score of the
+    greedy response to the same prompt (Li et al. 2023, "ReMax: A Simple, Effective, and Efficient
+    Reinforcement Learning Method for Aligning Large Language Models").
+
+    Args:
+        token_level_rewards: (batch, response_len).
+        response_mask: (batch, response_len); padding adds nothing to any sum.
+        reward_baselines: (batch,) greedy-response score of each row's prompt; required.
+
+    Returns (advantages, returns), both (batch, response_len), 0 at padding.
+    """
+    if reward_baselines is None:
+        raise ValueError(
+            "the 'remax' advantage estimator needs reward_baselines of shape (batch,), the score of the "
+            "greedy response to each row's prompt: pass reward_baselines=..., or pick an estimator "
+            "without a baseline rollout such as 'grpo'"
+        )
+    mask = _bool_mask(response_mask)
+    rewards = torch.where(mask, token_level_rewards, 0)
+    returns = torch.where(mask, rewards.flip(-1).cumsum(-1).flip(-1), 0)
+    advantages = torch.where(mask, returns - reward_baselines.unsqueeze(-1), 0)
+    return advantages, returns
+
+
 # =====================================================================================================
 # ---- policy losses ----
 # =====================================================================================================
 
-PolicyLossFn = Callable[..., tuple[Tensor, dict[str, float]]]
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 _POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
@@ -526,7 +618,7 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator that registers a policy loss under ``name``.
 
     The function is called as fn(old_log_probs, log_probs, advantages, response_mask, **options) and
-    returns (scalar loss, metrics dict of python floats), like ``compute_policy_loss``.
+    returns (scalar loss, metrics dict of detached 0-dim tensors), like ``compute_policy_loss``.
     """
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
@@ -561,7 +653,7 @@ def compute_policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with dual clip: rho = exp(logp - old),
     L = max(-A rho, -A clip(rho, 1 - low, 1 + high)), and for A < 0, L = min(L, -A c).
 
@@ -579,7 +671,8 @@ def compute_policy_loss(
         loss_agg_mode: one of ``LOSS_AGG_MODES``.
 
     Returns (loss, metrics): "actor/pg_clipfrac" (share of valid tokens the ratio clip bound),
-    "actor/ppo_kl" (mean of old - logp), "actor/pg_clipfrac_lower" (share where the dual clip bound).
+    "actor/ppo_kl" (mean of old - logp), "actor/pg_clipfrac_lower" (share where the dual clip bound), as
+    detached 0-dim tensors: reading one waits for the device, so callers read them once per optimizer step.
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1: it bounds the loss at -A * clip_ratio_c")
@@ -599,11 +692,148 @@ def compute_policy_loss(
     loss = agg_loss(pg_losses, mask, loss_agg_mode)
     with torch.no_grad():
         metrics = {
-            "actor/pg_clipfrac": masked_mean((pg_losses2 > pg_losses1).float(), mask).item(),
-            "actor/ppo_kl": masked_mean(-log_ratio, mask).item(),
-            "actor/pg_clipfrac_lower": masked_mean((negative & (clipped_losses > pg_losses3)).float(), mask).item(),
+            "actor/pg_clipfrac": masked_mean((pg_losses2 > pg_losses1).float(), mask),
+            "actor/ppo_kl": masked_mean(-log_ratio, mask),
+            "actor/pg_clipfrac_lower": masked_mean((negative & (clipped_losses > pg_losses3)).float(), mask),
         }
     return loss, metrics
+
+
+@register_policy_loss("gspo")
+def compute_policy_loss_gspo(
+    old_log_probs: Tensor,
+    log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "seq-mean-token-mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO: PPO's clip on the length-normalised sequence ratio s_i = exp(mean_t(logp_it - old_it)), in
+    its token form s_it = exp(sg[log s_i] + logp_it - sg[logp_it]): s_it equals s_i in value, while
+    d s_it / d logp_it = s_i sends each token its own gradient.
+    L_it = max(-A_it s_it, -A_it clip(s_it, 1 - low, 1 + high)).
+
+    Zheng et al. 2025, "Group Sequence Policy Optimization" (GSPO-token); the paper clips to
+    [1 - 3e-4, 1 + 4e-4] (the defaults here) and averages with "seq-mean-token-mean".
+
+    Args:
+        old_log_probs: (batch, response_len) sampled-token log-probs under the policy that generated them.
+        log_probs: (batch, response_len) the same under the current policy (carries the gradient).
+        advantages: (batch, response_len), normally one sequence-level value per row (e.g. GRPO's).
+        response_mask: (batch, response_len), 1 for real response tokens.
+        clip_ratio_low, clip_ratio_high: s_it is clipped to [1 - low, 1 + high].
+        clip_ratio_c: accepted so every policy loss takes the same keywords, and unused: GSPO has no
+            dual clip.
+        loss_agg_mode: one of ``LOSS_AGG_MODES``.
+
+    Returns (loss, metrics): "actor/pg_clipfrac" (share of valid tokens the clip bound), "actor/ppo_kl"
+    (mean of old - logp over valid tokens), "actor/pg_clipfrac_lower" (always 0: no dual clip), as
+    detached 0-dim tensors. A row without valid tokens has s = 1 and adds nothing.
+    """
+    mask = _bool_mask(response_mask)
+    # Padding leaves the graph here, as in compute_policy_loss, so garbage there cannot become NaN on
+    # the way back to log_probs.
+    log_ratio = torch.where(mask, log_probs - old_log_probs, 0)
+    seq_log_ratio = masked_mean(log_ratio, mask, dim=-1).detach()  # (batch,)
+    logp = torch.where(mask, log_probs, 0)
+    # Clamping the detached sequence term bounds the value without cutting any token's gradient.
+    log_seq_ratio = seq_log_ratio.clamp(-20.0, 20.0).unsqueeze(-1) + logp - logp.detach()
+    seq_ratio = torch.exp(log_seq_ratio)  # (batch, response_len), each row constant in value
+
+    pg_losses1 = -advantages * seq_ratio
+    pg_losses2 = -advantages * seq_ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+
+    loss = agg_loss(pg_losses, mask, loss_agg_mode)
+    with torch.no_grad():
+        clipfrac = masked_mean((pg_losses2 > pg_losses1).float(), mask)
+        metrics = {
+            "actor/pg_clipfrac": clipfrac,
+            "actor/ppo_kl": masked_mean(-log_ratio, mask),
+            "actor/pg_clipfrac_lower": torch.zeros_like(clipfrac),
+        }
+    return loss, metrics
+
+
+# =====================================================================================================
+# ---- value loss ----
+# =====================================================================================================
+
+
+def compute_value_loss(
+    vpreds: Tensor,
+    returns: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    *,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped value loss: v_clip = V_old + clip(v - V_old, -c, c),
+    L = 0.5 * agg(max((v - R)^2, (v_clip - R)^2)).
+
+    From OpenAI Baselines' PPO2, as studied in Engstrom et al. 2020, "Implementation Matters in Deep
+    Policy Gradients: A Case Study on PPO and TRPO".
+
+    Args:
+        vpreds: (batch, response_len) values predicted by the critic being trained (carries the gradient).
+        returns: (batch, response_len) regression targets, e.g. GAE's returns.
+        values: (batch, response_len) the critic's values at rollout time, V_old.
+        response_mask: (batch, response_len), 1 for real response tokens.
+        cliprange_value: c >= 0, how far a prediction may move from V_old before its gradient stops.
+        loss_agg_mode: one of ``LOSS_AGG_MODES``.
+
+    Returns (loss, metrics): "critic/vf_loss" (the loss), "critic/vf_clipfrac" (share of valid tokens where
+    the clipped term is the larger), "critic/vpred_mean" (mean of vpreds over valid tokens), as detached
+    0-dim tensors.
+    """
+    if cliprange_value < 0:
+        raise ValueError(
+            f"cliprange_value={cliprange_value} must be >= 0: it is how far a value prediction may move "
+            "from the rollout's value; set it large to turn value clipping off"
+        )
+    mask = _bool_mask(response_mask)
+    # As in compute_policy_loss: padding leaves the graph before any garbage can meet a zero gradient.
+    vpreds = torch.where(mask, vpreds, 0)
+    returns = torch.where(mask, returns, 0)
+    values = torch.where(mask, values, 0)
+
+    vpred_clipped = values + (vpreds - values).clamp(-cliprange_value, cliprange_value)
+    vf_losses1 = (vpreds - returns).square()
+    vf_losses2 = (vpred_clipped - returns).square()
+    loss = 0.5 * agg_loss(torch.maximum(vf_losses1, vf_losses2), mask, loss_agg_mode)
+    with torch.no_grad():
+        metrics = {
+            "critic/vf_loss": loss.detach(),
+            "critic/vf_clipfrac": masked_mean((vf_losses2 > vf_losses1).float(), mask),
+            "critic/vpred_mean": masked_mean(vpreds, mask),
+        }
+    return loss, metrics
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """How much of the returns' variance the values explain: 1 - Var(R - V) / Var(R) over valid tokens.
+
+    1 is a perfect critic, 0 one no better than a constant, below 0 one worse than a constant.
+
+    Args:
+        values: (batch, response_len) critic values.
+        returns: (batch, response_len) the returns they predict.
+        mask: (batch, response_len), 1 for real response tokens.
+
+    Returns a detached 0-dim tensor. When Var(R) is 0 (constant returns, fewer than two valid tokens)
+    nothing is there to explain and the result is 0, not NaN or inf.
+    """
+    mask = _bool_mask(mask)
+    with torch.no_grad():
+        var_returns = masked_var(returns, mask, unbiased=False)
+        var_residual = masked_var(returns - values, mask, unbiased=False)
+        has_variance = var_returns > 0
+        ratio = var_residual / torch.where(has_variance, var_returns, 1)
+        return torch.where(has_variance, 1 - ratio, 0)
 
 
 # =====================================================================================================
@@ -629,32 +859,101 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 # ---- log-probs ----
 # =====================================================================================================
 
-LOG_PROB_CHUNK_TOKENS = 2048  # response positions whose fp32 log-softmax is computed at once
+LOG_PROB_CHUNK_TOKENS = 2048  # response positions whose fp32 vocabulary pass is computed at once
 
 
-def _chunk_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / temperature)[target]: (rows, R, V) logits, (rows, R) targets -> (rows, R)."""
-    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+def _vocab_forward(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool
+                   ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """One pass over the vocabulary: with z = logits / T and a = log softmax(z),
+    log_prob = a[target], entropy = -sum_v exp(a_v) a_v, lse = logsumexp(z).
+
+    logits (rows, R, V) in any dtype, targets (rows, R); returns three (rows, R) fp32 tensors
+    (entropy None unless asked for).
+    """
+    z = logits.float() / temperature
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    a = z - lse
+    log_prob = a.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(a.exp() * a).sum(-1) if with_entropy else None
+    return log_prob, entropy, lse.squeeze(-1)
+
+
+def _vocab_backward(logits: Tensor, targets: Tensor, temperature: float, lse: Tensor, entropy: Tensor | None,
+                    grad_log_prob: Tensor, grad_entropy: Tensor | None) -> Tensor:
+    """d/d logits of sum(grad_log_prob * log_prob + grad_entropy * entropy), from what the forward kept:
+    (1/T) [g_lp (onehot(target) - p) - g_H p (a + H)], with a = z - lse = log p (so a + H = z - E_p[z]).
+
+    logits (rows, R, V); targets, lse, entropy and the two upstream gradients (rows, R); returns the
+    gradient in the logits' dtype (rows, R, V).
+    """
+    a = logits.float() / temperature - lse.unsqueeze(-1)
+    p = a.exp()
+    is_target = torch.arange(logits.shape[-1], device=logits.device) == targets.unsqueeze(-1)
+    grad = grad_log_prob.unsqueeze(-1) * (is_target.float() - p)
+    if grad_entropy is not None:
+        grad = grad - grad_entropy.unsqueeze(-1) * p * (a + entropy.unsqueeze(-1))
+    return (grad / temperature).to(logits.dtype)
+
+
+@functools.cache
+def _compiled_vocab_pass() -> tuple[Callable, Callable]:
+    # Compiled, each direction is one or two fused kernels that read the bf16 logits without writing
+    # an fp32 copy; eager, every step above is its own pass over a (rows, R, V) tensor.
+    return torch.compile(_vocab_forward, dynamic=True), torch.compile(_vocab_backward, dynamic=True)
+
+
+def _row_chunks(n_rows: int, response_len: int) -> list[slice]:
+    rows = max(1, LOG_PROB_CHUNK_TOKENS // max(response_len, 1))
+    return [slice(start, start + rows) for start in range(0, n_rows, rows)]
+
+
+class _VocabPass(torch.autograd.Function):
+    """Log-probs and entropies by chunks of rows, keeping only the logits and two (rows, R) vectors for
+    backward, which recomputes the softmax chunk by chunk into the logits' gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, with_entropy, fns):
+        forward_fn, backward_fn = fns
+        parts = [forward_fn(logits[c], targets[c], temperature, with_entropy)
+                 for c in _row_chunks(logits.shape[0], logits.shape[1])]
+        log_prob = torch.cat([p[0] for p in parts])
+        entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
+        lse = torch.cat([p[2] for p in parts])
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.temperature, ctx.backward_fn = temperature, backward_fn
+        ctx.set_materialize_grads(False)
+        return log_prob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_prob, grad_entropy):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        if grad_log_prob is None:
+            grad_log_prob = torch.zeros_like(lse)
+        grad = torch.empty_like(logits)
+        for c in _row_chunks(logits.shape[0], logits.shape[1]):
+            grad[c] = ctx.backward_fn(logits[c], targets[c], ctx.temperature, lse[c],
+                                      None if grad_entropy is None else entropy[c], grad_log_prob[c],
+                                      None if grad_entropy is None else grad_entropy[c])
+        return grad, None, None, None, None
 
 
 def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                    with_entropy: bool = False, entropy_grad: bool = False
+                    with_entropy: bool = False, entropy_grad: bool = False, compiled: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropies) of `targets` (b, R) under (b, R, V) logits in any dtype.
+    """Per-token log-probs (and entropies) of `targets` (b, R) under softmax((b, R, V) logits / temperature),
+    as fp32 (b, R) tensors; logits in any dtype.
 
-    The fp32 log-softmax of a whole micro-batch is the largest tensor of a step (b x R x 151,936 x 4
-    bytes for Qwen3): this works a few rows at a time, and under autograd recomputes each chunk in
-    backward instead of keeping its fp32 copies, so only the logits themselves stay alive.
+    The fp32 log-softmax of a whole micro-batch would be the largest tensor of a step (b x R x 151,936 x 4
+    bytes for Qwen3): this works LOG_PROB_CHUNK_TOKENS positions at a time and, under autograd, keeps
+    nothing of a chunk but its log-normaliser, recomputing the softmax in backward. The entropy carries a
+    gradient only with entropy_grad (an entropy bonus). `compiled` fuses each chunk's pass (GPUs).
     """
-    rows = max(1, LOG_PROB_CHUNK_TOKENS // max(targets.shape[1], 1))
-    lps, ents = [], []
-    for start in range(0, targets.shape[0], rows):
-        lg, tg = logits[start:start + rows], targets[start:start + rows]
-        if torch.is_grad_enabled():
-            lps.append(torch.utils.checkpoint.checkpoint(_chunk_log_probs, lg, tg, temperature, use_reentrant=False))
-        else:
-            lps.append(_chunk_log_probs(lg, tg, temperature))
-        if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                ents.append(entropy_from_logits(lg.float() / temperature))
-    return torch.cat(lps), torch.cat(ents) if with_entropy else None
+    fns = _compiled_vocab_pass() if compiled else (_vocab_forward, _vocab_backward)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        log_prob, entropy = _VocabPass.apply(logits, targets, temperature, with_entropy, fns)
+        if entropy is not None and not entropy_grad:
+            entropy = entropy.detach()
+        return log_prob, entropy
+    parts = [fns[0](logits[c], targets[c], temperature, with_entropy)
+             for c in _row_chunks(logits.shape[0], logits.shape[1])]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if with_entropy else None

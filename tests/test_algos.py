@@ -20,19 +20,25 @@ from backend.algos import (
     apply_kl_penalty,
     compute_advantage,
     compute_policy_loss,
+    compute_policy_loss_gspo,
+    compute_value_loss,
     entropy_from_logits,
+    explained_variance,
     get_advantage_fn,
     get_policy_loss_fn,
+    groups_with_signal,
     kl_penalty,
     masked_mean,
     masked_var,
     masked_whiten,
+    overlong_penalty,
     policy_losses,
     register_advantage,
     register_policy_loss,
 )
 
 BIG = 1e6
+NAN = float("nan")
 EPS = 1e-6  # compute_advantage's default epsilon
 WHITEN_EPS = 1e-8  # masked_whiten's variance epsilon
 
@@ -243,6 +249,43 @@ def test_adaptive_kl_controller_rejects_a_non_positive_target():
 
 
 # =====================================================================================================
+# ---- DAPO reward shaping and dynamic sampling ----
+# =====================================================================================================
+
+
+def test_overlong_penalty_is_zero_before_the_buffer_then_ramps_to_minus_the_factor():
+    # L = 20, B = 8: no penalty up to 12, then -(len - 12) / 8; 25 is past the limit and stays at -1
+    lengths = torch.tensor([5, 12, 14, 16, 20, 25])
+    assert_close(overlong_penalty(lengths, 20, 8, 1.0), [0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+    assert_close(overlong_penalty(lengths, 20, 8, 0.5), [0.0, 0.0, -0.125, -0.25, -0.5, -0.5])
+
+
+def test_overlong_penalty_with_the_buffer_as_long_as_the_limit_penalises_from_the_first_token():
+    assert_close(overlong_penalty(torch.tensor([0, 1, 4]), 4, 4, 2.0), [0.0, -0.5, -2.0])
+
+
+@pytest.mark.parametrize(
+    ("max_len", "buffer", "factor", "match"),
+    [(20, 0, 1.0, "buffer_length=0"), (20, 21, 1.0, "buffer_length=21"), (20, 8, -1.0, "penalty_factor")],
+)
+def test_overlong_penalty_rejects_a_bad_buffer_or_factor(max_len, buffer, factor, match):
+    with pytest.raises(ValueError, match=match):
+        overlong_penalty(torch.tensor([10]), max_len, buffer, factor)
+
+
+def test_groups_with_signal_keeps_only_groups_whose_scores_differ():
+    # group 7: (1, 0) differ; group 3: (1, 1) equal; group 9: (0.5, 0.5) equal; group 4: one response
+    group_ids = torch.tensor([7, 3, 7, 9, 3, 4, 9])
+    scores = t([1.0, 1.0, 0.0, 0.5, 1.0, 0.3, 0.5])
+    assert groups_with_signal(scores, group_ids).tolist() == [True, False, True, False, False, False, False]
+
+
+def test_groups_with_signal_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="group_ids"):
+        groups_with_signal(t([1.0, 0.0, 1.0]), torch.tensor([1, 1]))
+
+
+# =====================================================================================================
 # ---- advantage estimators ----
 # =====================================================================================================
 
@@ -275,9 +318,9 @@ def group_batch(group_ids=GROUP_IDS) -> dict:
     }
 
 
-def test_advantage_estimators_lists_all_six_builtins():
+def test_advantage_estimators_lists_all_seven_builtins():
     assert advantage_estimators() == sorted(
-        ["grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
+        ["grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae", "remax"]
     )
 
 
@@ -453,7 +496,27 @@ def test_gae_without_values_raises():
         compute_advantage("gae", **batch)
 
 
-BUILTIN_ESTIMATORS = ["grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
+def test_remax_advantage_is_return_to_go_minus_the_greedy_baseline():
+    batch = {
+        "token_level_rewards": t([[0.0, 0.5, 1.0, BIG], [2.0, BIG, float("nan"), BIG], [1.0, -1.0, 0.0, 0.5]]),
+        "response_mask": t([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]),
+        "group_ids": torch.tensor([0, 1, 2]),
+        "reward_baselines": t([0.5, 3.0, 1.0]),
+    }
+    adv, ret = compute_advantage("remax", **batch)
+    # returns-to-go: (1.5, 1.5, 1), (2), (0.5, -0.5, 0.5, 0.5); minus baselines 0.5, 3, 1
+    assert_close(ret, [[1.5, 1.5, 1.0, 0.0], [2.0, 0.0, 0.0, 0.0], [0.5, -0.5, 0.5, 0.5]])
+    assert_close(adv, [[1.0, 1.0, 0.5, 0.0], [-1.0, 0.0, 0.0, 0.0], [-0.5, -1.5, -0.5, -0.5]])
+
+
+def test_remax_without_reward_baselines_raises():
+    with pytest.raises(ValueError, match="reward_baselines"):
+        compute_advantage("remax", **group_batch())
+
+
+BUILTIN_ESTIMATORS = [
+    "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae", "remax"
+]
 
 
 @pytest.mark.parametrize("name", BUILTIN_ESTIMATORS)
@@ -463,7 +526,8 @@ def test_every_estimator_is_finite_and_zero_at_padding_and_detached(name):
     mask = t([[1, 0, 0], [1, 1, 0], [1, 1, 1]])
     group_ids = torch.tensor([3, 3, 8])
     adv, ret = compute_advantage(
-        name, token_level_rewards=rewards, response_mask=mask, group_ids=group_ids, values=values
+        name, token_level_rewards=rewards, response_mask=mask, group_ids=group_ids, values=values,
+        reward_baselines=t([0.5, 1.0, 0.0]),
     )
     for out in (adv, ret):
         assert torch.isfinite(out).all()
@@ -472,7 +536,7 @@ def test_every_estimator_is_finite_and_zero_at_padding_and_detached(name):
 
 
 def test_unknown_advantage_estimator_raises_and_lists_known_names_sorted():
-    known = "drgrpo, gae, grpo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo"
+    known = "drgrpo, gae, grpo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, rloo"
     with pytest.raises(ValueError, match=known):
         get_advantage_fn("ppo")
     with pytest.raises(ValueError, match="known"):
@@ -510,6 +574,7 @@ def test_compute_advantage_passes_everything_to_an_estimator_with_var_keywords(m
         "response_mask",
         "group_ids",
         "values",
+        "reward_baselines",
         "gamma",
         "lam",
         "epsilon",
@@ -561,7 +626,7 @@ def test_policy_loss_clips_the_ratio_and_dual_clips_negative_advantages():
     assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(1 / 4)
     # mean(old - logp) = -(ln 1.5 + ln 0.5 + ln 4 + ln 0.5) / 4 = -ln(1.5) / 4
     assert metrics["actor/ppo_kl"] == pytest.approx(-math.log(1.5) / 4)
-    assert all(isinstance(v, float) for v in metrics.values())
+    assert all(v.shape == () and not v.requires_grad for v in metrics.values())
 
 
 def test_policy_loss_dual_clip_is_inactive_when_clip_ratio_c_exceeds_the_ratio():
@@ -607,8 +672,8 @@ def test_policy_loss_rejects_clip_ratio_c_not_above_one():
 
 def test_vanilla_policy_loss_is_registered_and_unknown_names_list_the_known_ones():
     assert get_policy_loss_fn("vanilla") is compute_policy_loss
-    with pytest.raises(ValueError, match="vanilla"):
-        get_policy_loss_fn("gspo")
+    with pytest.raises(ValueError, match="gspo, vanilla"):
+        get_policy_loss_fn("cispo")
 
 
 def test_a_registered_policy_loss_can_be_looked_up_by_name(monkeypatch):
@@ -619,11 +684,129 @@ def test_a_registered_policy_loss_can_be_looked_up_by_name(monkeypatch):
         loss, metrics = compute_policy_loss(old_log_probs, log_probs, advantages, response_mask, **kwargs)
         return loss / 2, metrics
 
-    assert policy_losses() == ["halved", "vanilla"]
+    assert policy_losses() == ["gspo", "halved", "vanilla"]
     loss, _ = get_policy_loss_fn("halved")(*PPO)
     assert_close(loss, 0.525 / 2)
     with pytest.raises(ValueError, match="already registered"):
         register_policy_loss("halved")(halved)
+
+
+# GSPO: old log-probs vary per token, log_probs = old + delta; clip range [0.8, 1.2].
+#   seq  delta             A    s = exp(mean delta)        per-token loss
+#   0    (0.3, -0.1)       2    exp(0.1)  = 1.105 kept     -2 exp(0.1)
+#   1    (0.6, 0.3, 0.9)   1    exp(0.6)  = 1.822 -> 1.2   -1.2 (clipped)
+#   2    (-0.2, 0.0)      -1    exp(-0.1) = 0.905 kept     exp(-0.1) (the clip gives 0.8, smaller)
+#   3    no valid tokens
+GSPO_MASK = [[1, 1, 0], [1, 1, 1], [1, 1, 0], [0, 0, 0]]
+GSPO_OLD = [[-1.0, -2.0, float("inf")], [-0.5, -0.5, -0.5], [-1.0, -3.0, 0.0], [0.0, 0.0, 0.0]]
+GSPO_NEW = [[-0.7, -2.1, NAN], [0.1, -0.2, 0.4], [-1.2, -3.0, NAN], [NAN, NAN, NAN]]
+GSPO_ADV = [[2.0, 2.0, BIG], [1.0, 1.0, 1.0], [-1.0, -1.0, float("inf")], [float("inf"), NAN, BIG]]
+GSPO_CLIP = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2}
+
+
+def gspo_batch():
+    return t(GSPO_OLD), t(GSPO_NEW).requires_grad_(), t(GSPO_ADV), t(GSPO_MASK)
+
+
+def test_gspo_loss_uses_one_length_normalised_ratio_per_sequence():
+    loss, metrics = compute_policy_loss_gspo(*gspo_batch(), **GSPO_CLIP)
+    # seq-mean-token-mean over the three non-empty sequences
+    assert_close(loss, (-2 * math.exp(0.1) - 1.2 + math.exp(-0.1)) / 3)
+    assert_close(metrics["actor/pg_clipfrac"], 3 / 7)  # the three tokens of seq 1
+    assert_close(metrics["actor/ppo_kl"], -(0.3 - 0.1 + 0.6 + 0.3 + 0.9 - 0.2 + 0.0) / 7)
+    assert_close(metrics["actor/pg_clipfrac_lower"], 0.0)
+    assert all(v.shape == () and not v.requires_grad for v in metrics.values())
+
+
+def test_gspo_loss_with_token_mean_weights_every_valid_token_alike():
+    loss, _ = compute_policy_loss_gspo(*gspo_batch(), **GSPO_CLIP, loss_agg_mode="token-mean")
+    assert_close(loss, (2 * -2 * math.exp(0.1) + 3 * -1.2 + 2 * math.exp(-0.1)) / 7)
+
+
+def test_gspo_gradient_is_minus_advantage_times_sequence_ratio_per_token_and_zero_when_clipped():
+    old, log_probs, advantages, mask = gspo_batch()
+    loss, _ = compute_policy_loss_gspo(old, log_probs, advantages, mask, **GSPO_CLIP)
+    loss.backward()
+    # d s_it / d logp_it = s_i, so an unclipped token gets -A s_i / (|y_i| * 3 sequences):
+    # seq 0: -2 exp(0.1) / 6; seq 1 clipped: 0; seq 2: exp(-0.1) / 6; padding and seq 3: 0
+    g0, g2 = -math.exp(0.1) / 3, math.exp(-0.1) / 6
+    assert_close(log_probs.grad, [[g0, g0, 0.0], [0.0, 0.0, 0.0], [g2, g2, 0.0], [0.0, 0.0, 0.0]])
+
+
+def test_gspo_ignores_clip_ratio_c_and_defaults_to_seq_mean_token_mean():
+    reference, _ = compute_policy_loss_gspo(*gspo_batch(), **GSPO_CLIP, loss_agg_mode="seq-mean-token-mean")
+    loss, _ = compute_policy_loss_gspo(*gspo_batch(), **GSPO_CLIP, clip_ratio_c=1.0)
+    assert_close(loss, reference)
+
+
+def test_gspo_policy_loss_is_registered():
+    assert get_policy_loss_fn("gspo") is compute_policy_loss_gspo
+
+
+# =====================================================================================================
+# ---- value loss ----
+# =====================================================================================================
+
+# cliprange_value 0.5; per token (V_old, v, R) -> v_clip, (v - R)^2, (v_clip - R)^2, max
+#   a (1, 2, 3)       1.5    1     2.25   2.25 (clipped term larger)
+#   b (1, 2, 1)       1.5    1     0.25   1
+#   c (0, -0.2, 0)    -0.2   0.04  0.04   0.04 (a tie is not clipping)
+#   d (0, -1, -2)     -0.5   1     2.25   2.25 (clipped term larger)
+VALUE_MASK = [[1, 1, 1], [1, 0, 0]]
+VALUE_OLD = [[1.0, 1.0, 0.0], [0.0, BIG, NAN]]
+VPREDS = [[2.0, 2.0, -0.2], [-1.0, NAN, BIG]]
+VALUE_RETURNS = [[3.0, 1.0, 0.0], [-2.0, float("inf"), NAN]]
+
+
+def value_batch():
+    return t(VPREDS).requires_grad_(), t(VALUE_RETURNS), t(VALUE_OLD), t(VALUE_MASK)
+
+
+def test_value_loss_takes_the_larger_of_clipped_and_unclipped_squared_errors():
+    loss, metrics = compute_value_loss(*value_batch(), cliprange_value=0.5)
+    assert_close(loss, 0.5 * (2.25 + 1.0 + 0.04 + 2.25) / 4)  # 0.6925
+    assert_close(metrics["critic/vf_loss"], 0.6925)
+    assert_close(metrics["critic/vf_clipfrac"], 2 / 4)
+    assert_close(metrics["critic/vpred_mean"], (2.0 + 2.0 - 0.2 - 1.0) / 4)  # 0.7
+    assert all(v.shape == () and not v.requires_grad for v in metrics.values())
+
+
+def test_value_loss_gradient_stops_where_the_clipped_term_wins_and_at_padding():
+    vpreds, returns, values, mask = value_batch()
+    loss, _ = compute_value_loss(vpreds, returns, values, mask, cliprange_value=0.5)
+    loss.backward()
+    # 0.5 * 2 (v - R) / 4 where the unclipped term counts: b (2 - 1) / 4 = 0.25, c -0.2 / 4 = -0.05;
+    # a and d sit on the clip, whose gradient in v is 0
+    assert_close(vpreds.grad, [[0.0, 0.25, -0.05], [0.0, 0.0, 0.0]])
+
+
+def test_value_loss_passes_the_aggregation_mode_through():
+    loss, _ = compute_value_loss(*value_batch(), cliprange_value=0.5, loss_agg_mode="seq-mean-token-mean")
+    assert_close(loss, 0.5 * ((2.25 + 1.0 + 0.04) / 3 + 2.25) / 2)  # 0.8366667
+
+
+def test_value_loss_rejects_a_negative_cliprange():
+    with pytest.raises(ValueError, match="cliprange_value"):
+        compute_value_loss(*value_batch(), cliprange_value=-0.1)
+
+
+def test_explained_variance_is_one_minus_residual_variance_over_return_variance():
+    returns = t([[1.0, 2.0, BIG], [3.0, NAN, NAN]])
+    values = t([[0.5, 2.0, NAN], [3.5, BIG, float("inf")]]).requires_grad_()
+    mask = t([[1, 1, 0], [1, 0, 0]])
+    # returns (1, 2, 3): var 2/3; residuals (0.5, 0, -0.5): var 1/6 -> 1 - 1/4
+    ev = explained_variance(values, returns, mask)
+    assert_close(ev, 0.75)
+    assert ev.shape == () and not ev.requires_grad
+    assert_close(explained_variance(returns, returns, mask), 1.0)
+    assert_close(explained_variance(torch.zeros(2, 3), returns, mask), 0.0)
+
+
+def test_explained_variance_of_constant_returns_is_zero_not_nan():
+    returns = t([[2.0, 2.0, BIG], [2.0, NAN, 0.0]])
+    values = t([[0.0, 1.0, 0.0], [2.0, 0.0, 0.0]])
+    assert_close(explained_variance(values, returns, t([[1, 1, 0], [1, 0, 0]])), 0.0)
+    assert_close(explained_variance(t([[0.0]]), t([[3.0]]), t([[1]])), 0.0)  # one valid token
 
 
 # =====================================================================================================
