@@ -388,13 +388,16 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
 
     gathered = c * (dims.layer_params + dims.root_params)
 
-    # Log-probs take the fp32 log-softmax a chunk of rows at a time (workers.token_log_probs), so the
-    # fp32 copies are one chunk's, whatever the micro-batch.
+    # The vocabulary pass (algos.token_log_probs) works a chunk of rows at a time. Compiled (GPUs with
+    # actor.use_torch_compile) it is fused and writes no fp32 copy; eager, one chunk's fp32 temporaries live.
     chunk_tokens = max(1, LOG_PROB_CHUNK_TOKENS // max(R, 1)) * R
+    fused = on_gpu and a.use_torch_compile
+
+    def chunk_term(m: int, bytes_per_entry: int) -> dict[str, float]:
+        return {} if fused else {"fp32 vocabulary pass of one chunk": min(m * R, chunk_tokens) * V * bytes_per_entry}
 
     def forward_terms(m: int, entropy: bool) -> dict[str, float]:
-        return {"gathered layer + root": gathered, "logits": m * (R + 1) * V * c,
-                "fp32 log-softmax of one chunk": min(m * R, chunk_tokens) * V * (16 if entropy else 8),
+        return {"gathered layer + root": gathered, "logits": m * R * V * c, **chunk_term(m, 16 if entropy else 8),
                 "activations": m * T * H * c * cal["logprob_activation_copies"]}
 
     # ---- each phase's own ----
@@ -411,8 +414,8 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         acts = {"checkpointed layer inputs": m_upd * T * H * c * L, "activations of one layer": m_upd * T * H * act}
     else:
         acts = {"activations kept for backward": m_upd * T * L * H * act}
-    update = {**acts, "logits + gradient": 2 * m_upd * (R + 1) * V * c,
-              "fp32 log-softmax of one chunk": min(m_upd * R, chunk_tokens) * V * 16, "gathered layer + root": gathered}
+    update = {**acts, "logits + gradient": 2 * m_upd * R * V * c, **chunk_term(m_upd, 20),
+              "gathered layer + root": gathered}
 
     # ---- time ----
     flops = bw = None

@@ -323,7 +323,8 @@ class Trainer:
                 tensors["advantages"] = advantages
 
             # ---- update ----
-            token_sample = self._token_sample(tensors)
+            with timer("token_log", timings):
+                token_sample = self._token_sample(tensors)
             with timer("update_actor", timings):
                 a = arr.actor
                 actor_metrics = self.workers.update_actor(

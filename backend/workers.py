@@ -29,27 +29,37 @@ Batch = dict[str, torch.Tensor]
 
 
 def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
-                       temperature: float = 1.0, with_entropy: bool = False,
-                       entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False,
+                       compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the response tokens under `model`, and optionally the entropy of each position.
 
     input_ids, attention_mask: (b, P + R), the last R positions are the response.
     Returns log_probs (b, R) and entropy (b, R) or None; the entropy carries a gradient only when
-    entropy_grad is set (an entropy bonus), since its graph is as large as the logits'.
-    Only the R positions that predict response tokens get vocabulary-sized logits (`logits_to_keep`),
-    and logits are divided by the sampling temperature so the ratio matches the sampling distribution.
+    entropy_grad is set (an entropy bonus). Only the R positions that predict response tokens get
+    vocabulary-sized logits (`logits_to_keep` as indices, so no logit is computed, or given a zero
+    gradient, for a position nobody reads), and logits are divided by the sampling temperature so the
+    ratio matches the sampling distribution. `compiled` fuses the vocabulary pass (algos.token_log_probs).
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    total = input_ids.shape[1]
+    predicting = torch.arange(total - response_len - 1, total - 1, device=input_ids.device)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                logits_to_keep=response_len + 1, use_cache=False)
-    logits = out.logits[:, :-1, :]  # (b, R, V): position t predicts token t+1
-    return algos.token_log_probs(logits, input_ids[:, -response_len:], temperature, with_entropy, entropy_grad)
+                logits_to_keep=predicting, use_cache=False)
+    return algos.token_log_probs(out.logits, input_ids[:, -response_len:], temperature, with_entropy, entropy_grad,
+                                 compiled=compiled)
 
 
 def _micro_batches(batch: Batch, size: int):
     n = next(iter(batch.values())).shape[0]
     for start in range(0, n, size):
         yield {k: v[start:start + size] for k, v in batch.items()}
+
+
+def _to_device(batch: Batch, device: torch.device) -> Batch:
+    """The whole batch on the device in one go, before its micro-batches run: a copy from ordinary
+    (pageable) host memory waits for the device to finish its queued work, so one per micro-batch
+    would stop the host from queueing the next micro-batch while the device runs this one."""
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def _lr_lambda(warmup: int, total: int, style: str, min_ratio: float):
@@ -103,6 +113,7 @@ class ActorRolloutRefWorker:
         self.tokenizer = load_tokenizer(arr.model.path, arr.model.tokenizer_path)
         self.rollout = self._rollout_engine(dtype)
         self.temperature = arr.rollout.temperature
+        self.compiled = compile_layers
         self.clip_low, self.clip_high = arr.actor.clip_range()
         self._progress: tuple = ()
         self._peaks: dict[str, tuple[float, float]] = {}
@@ -163,28 +174,30 @@ class ActorRolloutRefWorker:
         self.actor.eval()
         micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
         lps, ents = [], []
+        inputs = _to_device({k: batch[k] for k in ("input_ids", "attention_mask")}, self.device)
         with self._phase("old_log_prob"):
-            for mb in _micro_batches(batch, micro):
-                lp, ent = response_log_probs(self.actor, mb["input_ids"].to(self.device),
-                                             mb["attention_mask"].to(self.device), batch["responses"].shape[1],
-                                             self.temperature, with_entropy=True)
-                lps.append(lp.cpu())
-                ents.append(ent.cpu())
+            for mb in _micro_batches(inputs, micro):
+                lp, ent = response_log_probs(self.actor, mb["input_ids"], mb["attention_mask"],
+                                             batch["responses"].shape[1], self.temperature, with_entropy=True,
+                                             compiled=self.compiled)
+                lps.append(lp)
+                ents.append(ent)
             self.actor.reshard()  # FSDP keeps the root's parameters gathered after a forward without backward
         self.actor.train()
-        return torch.cat(lps), torch.cat(ents)
+        # One copy to the host at the end, so the micro-batches run back to back on the device.
+        return torch.cat(lps).cpu(), torch.cat(ents).cpu()
 
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
         """(b, R) log-probs of the responses under the reference model."""
         micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        inputs = _to_device({k: batch[k] for k in ("input_ids", "attention_mask")}, self.device)
         with self._phase("ref"):
-            parts = [response_log_probs(self.ref, mb["input_ids"].to(self.device),
-                                        mb["attention_mask"].to(self.device), batch["responses"].shape[1],
-                                        self.temperature)[0].cpu()
-                     for mb in _micro_batches(batch, micro)]
+            parts = [response_log_probs(self.ref, mb["input_ids"], mb["attention_mask"], batch["responses"].shape[1],
+                                        self.temperature, compiled=self.compiled)[0]
+                     for mb in _micro_batches(inputs, micro)]
             self.ref.reshard()
-        return torch.cat(parts)
+        return torch.cat(parts).cpu()
 
     # ---- the update ----
 
@@ -202,25 +215,27 @@ class ActorRolloutRefWorker:
         a = self.cfg.actor_rollout_ref.actor
         total = batch["responses"].shape[0]
         response_len = batch["responses"].shape[1]
-        sums: dict[str, float] = {}
+        # Metrics stay on the device until the update ends: reading one per micro-batch would make the
+        # host wait for the device there, and it could no longer queue the next micro-batch's work.
+        sums: dict[str, torch.Tensor | float] = {}
         counts: dict[str, int] = {}
 
-        def add(name: str, value: float) -> None:
+        def add(name: str, value: torch.Tensor | float) -> None:
             sums[name] = sums.get(name, 0.0) + value
             counts[name] = counts.get(name, 0) + 1
 
         n_micro_total = math.ceil(total / a.ppo_micro_batch_size_per_gpu)
         done = skipped = 0
+        batch = _to_device(batch, self.device)
         with self._phase("update_actor"):
             for start in range(0, total, mini_rows):
                 mini = {k: v[start:start + mini_rows] for k, v in batch.items()}
                 self.optimizer.zero_grad(set_to_none=True)
                 for mb in _micro_batches(mini, a.ppo_micro_batch_size_per_gpu):
-                    mb = {k: v.to(self.device) for k, v in mb.items()}
                     mask = mb["response_mask"].float()
                     log_probs, entropy = response_log_probs(
                         self.actor, mb["input_ids"], mb["attention_mask"], response_len, self.temperature,
-                        with_entropy=True, entropy_grad=a.entropy_coeff > 0)
+                        with_entropy=True, entropy_grad=a.entropy_coeff > 0, compiled=self.compiled)
                     old = mb.get("old_log_probs", log_probs.detach())
                     pg_loss, pg_metrics = algos.compute_policy_loss(
                         old, log_probs, mb["advantages"], mask, clip_ratio_low=self.clip_low,
@@ -233,13 +248,13 @@ class ActorRolloutRefWorker:
                         kl = algos.kl_penalty(log_probs, mb["ref_log_probs"], a.kl_loss_type)
                         kl_loss = algos.agg_loss(kl, mask, a.loss_agg_mode)
                         loss = loss + a.kl_loss_coef * kl_loss
-                        add("actor/kl_loss", kl_loss.item())
+                        add("actor/kl_loss", kl_loss.detach())
                         add("actor/kl_coef", a.kl_loss_coef)
                     # Each micro-batch's mean is weighted by its share of the mini-batch, so the
                     # accumulated gradient is that of the mini-batch's mean loss.
                     (loss * mb["responses"].shape[0] / mini["responses"].shape[0]).backward()
-                    add("actor/pg_loss", pg_loss.item())
-                    add("actor/entropy", entropy_loss.item())
+                    add("actor/pg_loss", pg_loss.detach())
+                    add("actor/entropy", entropy_loss.detach())
                     for k, v in pg_metrics.items():
                         add(k, v)
                     done += 1
@@ -250,10 +265,12 @@ class ActorRolloutRefWorker:
                 else:
                     skipped += 1
                     self.optimizer.zero_grad(set_to_none=True)
-                add("actor/grad_norm", grad_norm.item())
+                add("actor/grad_norm", grad_norm)
+        names = list(sums)
+        values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32, device=self.device) for k in names])
+        metrics = {k: v / counts[k] for k, v in zip(names, values.tolist(), strict=True)}
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
-        metrics = {k: sums[k] / counts[k] for k in sums}
         metrics["actor/lr"] = lr
         metrics["actor/skipped_steps"] = float(skipped)
         metrics.update(self.memory())

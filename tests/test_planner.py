@@ -81,26 +81,28 @@ def test_generation_terms(worked):
 def test_log_prob_terms_use_each_passs_micro_batch_capped_at_the_rows_of_a_rank(worked):
     T, R, c = 128, 28, 2
     gathered = c * (P_LAYER + P_ROOT)  # 139,712
-    # (pass, micro-batch, fp32 bytes per chunk position: the old pass also takes the entropy)
-    for name, m, fp32 in (("old log-prob", 3, 16), ("reference log-prob", 8, 8)):  # ref micro 16 > 8 rows
+    for name, m in (("old log-prob", 3), ("reference log-prob", 8)):  # ref micro 16 > 8 rows
         phase = worked.phase(name)
         assert phase.runs
         own = {k: v for k, v in phase.terms.items() if k not in worked.held}
-        # the micro-batch's m * R positions fit in one 2,048-position chunk
-        assert own == {"gathered layer + root": gathered, "logits": m * (R + 1) * V * c,
-                       "fp32 log-softmax of one chunk": m * R * V * fp32, "activations": m * T * H * c * 4}, name
-    assert worked.phase("old log-prob").terms["logits"] == 89_088
-    assert worked.phase("reference log-prob").terms["fp32 log-softmax of one chunk"] == 917_504
+        # compiled on the GPU, the vocabulary pass is fused: no fp32 copy of a chunk
+        assert own == {"gathered layer + root": gathered, "logits": m * R * V * c,
+                       "activations": m * T * H * c * 4}, name
+    assert worked.phase("old log-prob").terms["logits"] == 86_016
 
 
-def test_the_fp32_log_softmax_is_counted_for_one_chunk_not_the_micro_batch():
-    big = planner.plan(tiny(*WORKED, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
-                            "data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=32",
-                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64",
-                            "data.max_response_length=100"), gpu="h200", calibration=CHOSEN)
+def test_the_eager_vocabulary_pass_counts_fp32_temporaries_for_one_chunk_not_the_micro_batch():
+    eager = ("actor_rollout_ref.actor.use_torch_compile=false", "data.train_batch_size=64",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64",
+             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8", "data.max_response_length=100")
+    big = planner.plan(tiny(*WORKED, *eager), gpu="h200", calibration=CHOSEN)
     chunk = (2048 // 100) * 100  # whole rows of 100 positions, far fewer than the micro-batch's 6,400
-    assert big.phase("update").terms["fp32 log-softmax of one chunk"] == chunk * V * 16
-    assert big.phase("update").terms["logits + gradient"] == 2 * 64 * 101 * V * 2
+    assert big.phase("update").terms["fp32 vocabulary pass of one chunk"] == chunk * V * 20
+    assert big.phase("reference log-prob").terms["fp32 vocabulary pass of one chunk"] == 8 * 100 * V * 8
+    assert big.phase("update").terms["logits + gradient"] == 2 * 64 * 100 * V * 2
+    fused = planner.plan(tiny(*WORKED, *eager[1:]), gpu="h200", calibration=CHOSEN)
+    assert not any("vocabulary pass" in k for p in fused.phases for k in p.terms)
 
 
 def test_update_terms_with_and_without_gradient_checkpointing(worked):
@@ -108,13 +110,12 @@ def test_update_terms_with_and_without_gradient_checkpointing(worked):
     update = worked.phase("update")
     own = {k: v for k, v in update.terms.items() if k not in worked.held}
     assert own == {"activations kept for backward": m * T * L * H * A,  # 655,360
-                   "logits + gradient": 2 * m * (R + 1) * V * c,  # 237,568
-                   "fp32 log-softmax of one chunk": m * R * V * 16,  # 917,504
+                   "logits + gradient": 2 * m * R * V * c,  # 229,376
                    "gathered layer + root": c * (P_LAYER + P_ROOT)}
-    assert update.allocated == 1_175_680 + 655_360 + 237_568 + 917_504 + 139_712
-    # the update holds more of its own (1,950,144, m=4) than the reference pass (1,819,072, m=8)
+    assert update.allocated == 1_175_680 + 655_360 + 229_376 + 139_712
+    # the update holds more of its own (1,024,448, m=4) than the reference pass (893,376, m=8)
     ref = worked.phase("reference log-prob")
-    assert ref.allocated == 1_175_680 + 139_712 + 237_568 + 917_504 + 524_288
+    assert ref.allocated == 1_175_680 + 139_712 + 229_376 + 524_288
     assert worked.peak_phase == "update" and worked.need_gib == update.reserved / GiB
 
     gc = planner.plan(tiny(*WORKED, "actor_rollout_ref.model.enable_gradient_checkpointing=true"), gpu="h200",
@@ -141,7 +142,7 @@ def test_hf_engine_holds_no_copy_but_gathers_the_actor_for_generation():
     p = planner.plan(tiny(*WORKED, "actor_rollout_ref.rollout.name=hf"), gpu="h200", calibration=CHOSEN)
     assert not any(k.startswith("rollout engine weights") for k in p.held)
     assert p.phase("generation").terms["actor weights gathered for sampling"] == 2 * P
-    assert p.phase("update").allocated == 1_175_680 - 2 * P + 655_360 + 237_568 + 917_504 + 139_712
+    assert p.phase("update").allocated == 1_175_680 - 2 * P + 655_360 + 229_376 + 139_712
 
 
 def test_phases_that_the_step_skips_are_not_counted():

@@ -105,3 +105,30 @@ def test_chunked_log_probs_and_their_gradients_equal_a_whole_log_softmax(monkeyp
     torch.testing.assert_close(lp, expected)
     torch.testing.assert_close(ent, -(whole.exp() * whole).sum(-1).detach())
     torch.testing.assert_close(chunked_grad, logits.grad)
+
+
+def test_the_entropy_bonus_gradient_equals_that_of_a_whole_softmax(monkeypatch):
+    monkeypatch.setattr(algos, "LOG_PROB_CHUNK_TOKENS", 6)  # chunks of 2 rows, the last one shorter
+    logits = torch.randn(5, 3, 7, requires_grad=True)
+    targets = torch.randint(0, 7, (5, 3))
+    w_lp, w_ent = torch.randn(5, 3), torch.randn(5, 3)
+    lp, ent = algos.token_log_probs(logits, targets, temperature=1.3, with_entropy=True, entropy_grad=True)
+    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+    fused_grad = logits.grad.clone()
+    logits.grad = None
+    whole = torch.log_softmax(logits / 1.3, -1)
+    expected_lp = whole.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    expected_ent = algos.entropy_from_logits(logits / 1.3)
+    ((expected_lp * w_lp).sum() + (expected_ent * w_ent).sum()).backward()
+    torch.testing.assert_close(ent, expected_ent)
+    torch.testing.assert_close(fused_grad, logits.grad)
+
+
+def test_without_an_entropy_bonus_the_entropy_carries_no_gradient_and_bf16_logits_get_a_bf16_gradient():
+    logits = torch.randn(2, 4, 9, dtype=torch.bfloat16, requires_grad=True)
+    lp, ent = algos.token_log_probs(logits, torch.randint(0, 9, (2, 4)), with_entropy=True)
+    assert lp.dtype == torch.float32 and not ent.requires_grad
+    lp.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+    # d/dz sum_t log softmax(z_t)[target_t] sums to 0 over the vocabulary at each position
+    torch.testing.assert_close(logits.grad.float().sum(-1), torch.zeros(2, 4), atol=2e-2, rtol=0)
