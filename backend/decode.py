@@ -6,10 +6,12 @@ and runs over the whole cache at each step, and its cache grows by reallocation 
 tokens of a 0.6B model took 11.5 s and 112 GiB). Here:
 
 - The KV cache is allocated once, (rows, kv_heads, slots, head_dim) per layer, and reused every step.
-- Decode attention groups the query heads by KV head, so each key and value is read once per step,
-  and reads only the slots written so far, rounded up to a bucket of `SPAN` slots.
-- On a GPU each decode step (for a batch size and a bucket) is captured once in a CUDA graph and
-  replayed; the step advances its own token, position and slot counters, so the host only replays.
+- Decode attention groups the query heads by KV head, so each key and value is read once per step.
+  On a GPU it is one Triton kernel (backend.decode_attention) that reads exactly the slots written so
+  far; elsewhere PyTorch's attention reads the written slots, rounded up to a bucket of `SPAN` when
+  steps are captured in graphs.
+- On a GPU each decode step (for a batch size) is captured once in a CUDA graph and replayed; the
+  step advances its own token, position and slot counters, so the host only replays.
 - The engine keeps its own copy of the weights in the compute dtype, at fixed addresses (what a
   CUDA graph needs). `load_weights` copies the actor's current weights in after each update, on the
   device, with no disk round trip.
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from backend import decode_attention
 from backend.rollout import RolloutBatch, SamplingParams, assemble, eos_ids_of, left_pad, sample_tokens
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -127,6 +130,7 @@ class StaticCacheEngine:
         self.eos_ids = eos_ids_of(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self.kernel_attention = decode_attention.available(device)
         self.free_after_generate = free_after_generate
         # With graphs, the per-layer pieces of a decode step are compiled too: fusing the norms, rotary
         # embedding and gated MLP matters once kernel launches no longer hide the small kernels' cost.
@@ -224,17 +228,21 @@ class StaticCacheEngine:
         tensors in `s` and advances them in place (graph-capturable: no host values change)."""
         tok, pos, slot = s["tok"][:b], s["pos"][:b], s["slot"]
         cos, sin = self._rotary(pos)
-        slots = torch.arange(span, device=tok.device)
-        attend = (s["valid"][:b, :span] & (slots <= slot)).view(b, 1, 1, span)
+        if not self.kernel_attention:
+            slots = torch.arange(span, device=tok.device)
+            attend = (s["valid"][:b, :span] & (slots <= slot)).view(b, 1, 1, span)
         g = self.n_heads // self.n_kv
         x = F.embedding(tok, self.embed)
         for w, (kc, vc) in zip(self.layers, self.cache, strict=True):
             q, k, v = self._decode_qkv(w, x, cos, sin)
             kc[:b].index_copy_(2, slot, k.unsqueeze(2))
             vc[:b].index_copy_(2, slot, v.unsqueeze(2))
-            # (b, kv, g, D) against (b, kv, span, D): each KV head is read once for its g query heads.
-            out = F.scaled_dot_product_attention(q.view(b, self.n_kv, g, self.head_dim), kc[:b, :, :span],
-                                                 vc[:b, :, :span], attn_mask=attend)
+            # (b, kv, g, D) against (b, kv, slots, D): each KV head is read once for its g query heads.
+            q = q.reshape(b, self.n_kv, g, self.head_dim)
+            if self.kernel_attention:
+                out = decode_attention.decode_attention(q, kc, vc, s["valid"], slot)
+            else:
+                out = F.scaled_dot_product_attention(q, kc[:b, :, :span], vc[:b, :, :span], attn_mask=attend)
             x = self._decode_finish(w, x, out.flatten(1))
         nxt = sample_tokens(self._logits(x), params, s["seed"], s["rows"][:b], s["t"])
         done = s["done"][:b]
@@ -341,8 +349,14 @@ class StaticCacheEngine:
                         progress(start, len(rows), made, r)
                     if not params.ignore_eos and bool(s["done"][:b].all()):
                         break
-                # Slots [0, p + made) are written; a graph attends to a whole bucket of them.
-                span = min(slots, math.ceil((p + made) / SPAN) * SPAN) if self.cuda_graphs else p + made
+                # Slots [0, p + made) are written. The kernel finds that bound itself (one graph for all
+                # steps); PyTorch's attention in a graph reads a whole bucket of slots.
+                if self.kernel_attention:
+                    span = slots
+                elif self.cuda_graphs:
+                    span = min(slots, math.ceil((p + made) / SPAN) * SPAN)
+                else:
+                    span = p + made
                 self._step(b, span, params)
                 made += 1
             if progress is not None:

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One call on the GPU machine that measures our engine alone, phase by phase, before a full comparison
+# with TRL (bench/perf_gpu.sh): the decode-attention kernel against PyTorch's attention, generation with
+# and without it, the update under the profiler, and the step (bench/grpo_step.py --skip-trl).
+#   bash bench/perf_probe.sh <tokenizer folder> <output folder>
+set -uo pipefail
+TOK=$1
+OUT=$2
+mkdir -p "$OUT"
+python3 bench/decode_attention_check.py --out "$OUT/decode-attention.json" > "$OUT/decode-attention.log" 2>&1
+echo "decode_attention_check rc=$?"
+WL=$(mktemp -d)
+python3 -c "
+import sys; sys.path.insert(0, 'bench')
+import grpo_step, trl_grpo
+from pathlib import Path
+grpo_step.build_model('$TOK', Path('$WL/model'), small=False)
+grpo_step.write_prompts(trl_grpo.random_prompts(64), Path('$WL/prompts.parquet'))"
+python3 bench/profile_update.py configs/default.yaml "actor_rollout_ref.model.path=$WL/model" \
+  "data.train_files=[$WL/prompts.parquet]" data.train_batch_size=64 actor_rollout_ref.rollout.n=8 \
+  data.max_prompt_length=16 data.max_response_length=256 actor_rollout_ref.actor.ppo_mini_batch_size=64 \
+  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=64 \
+  actor_rollout_ref.rollout.generation_batch_size=512 actor_rollout_ref.actor.kl_loss_coef=0.04 \
+  "custom_reward_function.path=bench/bench_reward.py" custom_reward_function.name=distinct_words \
+  --generate > "$OUT/profile.log" 2>&1
+echo "profile_update rc=$?"
+python3 bench/grpo_step.py --tokenizer "$TOK" --steps 4 --skip-trl --out "$OUT/grpo-step.json" > "$OUT/grpo-step.log" 2>&1
+echo "grpo_step rc=$?"

@@ -1,0 +1,58 @@
+"""The decode-attention kernel computes PyTorch's masked attention, and the engine built on it samples
+what Hugging Face generate samples. Triton's interpreter runs the GPU kernel here on the CPU (conftest sets
+TRITON_INTERPRET); it has no bfloat16, so these run in fp32 and fp16, and bench/decode_attention_check.py
+covers bf16 on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend import decode_attention
+from backend.decode import StaticCacheEngine
+from backend.models import load_model, load_tokenizer
+from backend.rollout import HFGenerateEngine, SamplingParams
+
+pytest.importorskip("triton", reason="the kernel is written in Triton (installed with the dev extra)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_the_kernel_attends_to_the_valid_written_slots_only(dtype, group):
+    torch.manual_seed(0)
+    rows, b, n_kv, d, slots = 5, 3, 2, 32, 150
+    q = torch.randn(b, n_kv, group, d, dtype=dtype)
+    k_cache, v_cache = (torch.randn(rows, n_kv, slots, d, dtype=dtype) for _ in range(2))
+    valid = torch.ones(rows, slots, dtype=torch.bool)
+    valid[0, :70] = False  # left padding longer than a whole block of slots
+    valid[1, :3] = False
+    newest = 100  # slots past it hold stale values from a longer earlier batch: never read
+    out = decode_attention.decode_attention(q, k_cache, v_cache, valid, torch.tensor([newest]))
+    expected = F.scaled_dot_product_attention(q.float(), k_cache[:b, :, :newest + 1].float(),
+                                              v_cache[:b, :, :newest + 1].float(),
+                                              attn_mask=valid[:b, None, None, :newest + 1])
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    assert out.dtype == dtype
+
+
+def test_a_head_dim_the_kernel_cannot_tile_is_refused():
+    q = torch.zeros(1, 1, 1, 24)
+    with pytest.raises(ValueError, match="head_dim"):
+        decode_attention.decode_attention(q, torch.zeros(1, 1, 4, 24), torch.zeros(1, 1, 4, 24),
+                                          torch.ones(1, 4, dtype=torch.bool), torch.tensor([1]))
+
+
+def test_the_engine_on_the_kernel_samples_what_hugging_face_generate_does():
+    model = load_model("tiny-qwen3", torch.device("cpu")).eval()
+    tokenizer = load_tokenizer("tiny-qwen3")
+    engine = StaticCacheEngine(model, tokenizer, 5, torch.device("cpu"), torch.float32, max_len=64)
+    engine.kernel_attention = True  # what a GPU gets; on the CPU only through the interpreter
+    engine.load_weights(model)
+    prompts = [tokenizer(p)["input_ids"] for p in ("2 + 3 =", "what is 7 - 4? Think first.", "9 - 1 = ?")]
+    params = SamplingParams(n=3, max_new_tokens=16, seed=4)
+    got = engine.generate(prompts, params, first_row=2)
+    expected = HFGenerateEngine(model, tokenizer, batch_size=5).generate(prompts, params, first_row=2)
+    assert torch.equal(got.responses, expected.responses)
+    assert got.finish_reasons == expected.finish_reasons
