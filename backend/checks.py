@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from backend import checkpoint, data, decode, rewards
-from backend.config import Config, ConfigError
+from backend.config import Config, ConfigError, uses_critic
 from backend.models import ModelError, model_config, resolve_model
 
 
@@ -39,6 +39,11 @@ def preflight(cfg: Config) -> list[str]:
                             "use rollout.name=hf (or auto, which picks hf for it)")
     except (ModelError, OSError) as e:
         problems.append(f"actor_rollout_ref.model.path: {e}")
+    if uses_critic(cfg) and cfg.critic.model.path:
+        try:
+            model_config(cfg.critic.model.path)
+        except (ModelError, OSError) as e:
+            problems.append(f"critic.model.path: {e}")
     t = cfg.trainer
     if t.resume_mode == "resume_path" and t.resume_from_path and \
             not (Path(t.resume_from_path) / "trainer_state.json").is_file():

@@ -94,8 +94,16 @@ class RefFSDPConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    loss_mode: str = _f("vanilla", "Policy loss: vanilla (PPO clip with dual clip) or gspo (clip on the "
+                        "length-normalised sequence ratio; pair it with clip_ratio_low/high near 3e-4/4e-4 and "
+                        "loss_agg_mode=seq-mean-token-mean).", choices=("vanilla", "gspo"))
+
+
+@dataclass
 class ActorConfig:
     optim: OptimConfig = _section(OptimConfig)
+    policy_loss: PolicyLossConfig = _section(PolicyLossConfig)
     fsdp_config: FSDPConfig = _section(FSDPConfig)
     ppo_mini_batch_size: int = _f(4, "Prompts per optimizer step (times rollout.n responses).", min=1)
     ppo_micro_batch_size_per_gpu: int = _f(8, "Responses per forward/backward pass (gradient accumulation).",
@@ -173,9 +181,11 @@ class KLControlConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = _f("grpo", "Advantage estimator.",
+    adv_estimator: str = _f("grpo", "Advantage estimator: grpo, drgrpo (no std, no length normalisation), rloo, "
+                            "reinforce_plus_plus(_baseline), remax (greedy response as baseline), gae (PPO with "
+                            "a critic: the critic.* keys).",
                             choices=("grpo", "drgrpo", "rloo", "reinforce_plus_plus",
-                                     "reinforce_plus_plus_baseline"))
+                                     "reinforce_plus_plus_baseline", "remax", "gae"))
     norm_adv_by_std_in_grpo: bool = _f(True, "Divide GRPO advantages by the group's reward std.")
     gamma: float = _f(1.0, "Discount factor (REINFORCE++, GAE).", min=0)
     lam: float = _f(1.0, "GAE lambda.", min=0)
@@ -192,8 +202,47 @@ class CustomRewardConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    enable: bool = _f(False, "DAPO overlong reward shaping: a response longer than max_response_length - len "
+                      "loses up to penalty_factor, linearly in its length.")
+    len: int = _f(16, "Tokens before data.max_response_length over which the penalty grows.", min=1)
+    penalty_factor: float = _f(1.0, "Penalty at data.max_response_length.", min=0)
+
+
+@dataclass
 class RewardConfig:
     timeout_s: float = _f(10.0, "A reward call running longer scores 0 and is counted.", gt=0)
+    overlong_buffer: OverlongBufferConfig = _section(OverlongBufferConfig)
+
+
+# ---- critic (PPO with GAE) ----
+
+@dataclass
+class CriticModelConfig:
+    path: str = _f("", "Value model's base (its transformer gets a new one-output head); empty = the actor's model.")
+    enable_gradient_checkpointing: bool = _f(False, "Recompute the critic's activations in backward.")
+
+
+@dataclass
+class CriticOptimConfig:
+    lr: float = _f(1e-5, "Critic AdamW learning rate.", gt=0)
+    weight_decay: float = _f(0.01, "Critic AdamW weight decay.", min=0)
+    betas: list[float] = _f([0.9, 0.999], "Critic AdamW betas.")
+    lr_warmup_steps: int = _f(0, "Linear warm-up steps of the critic's learning rate.", min=0)
+
+
+@dataclass
+class CriticConfig:
+    model: CriticModelConfig = _section(CriticModelConfig)
+    optim: CriticOptimConfig = _section(CriticOptimConfig)
+    ppo_micro_batch_size_per_gpu: int = _f(8, "Responses per critic forward/backward pass.", min=1)
+    cliprange_value: float = _f(0.5, "How far a value prediction may move from the rollout's value (PPO value "
+                                "clipping).", min=0)
+    grad_clip: float = _f(1.0, "Clip the critic's gradient norm to this value.", gt=0)
+    loss_agg_mode: str = _f("token-mean", "How per-token value losses become one number.",
+                            choices=("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                     "seq-mean-token-sum-norm"))
+    fsdp_config: FSDPConfig = _section(FSDPConfig)
 
 
 # ---- trainer ----
@@ -232,6 +281,7 @@ class TrainerConfig:
     nnodes: int = _f(1, "Nodes of the Ray cluster to use.", min=1)
     ray_address: str = _f("", "Ray cluster to join (host:6379, or auto for the one `ray start` made on this "
                           "machine); empty starts a private Ray in the training process.")
+    critic_warmup: int = _f(0, "Steps at the start that train only the critic (algorithm.adv_estimator=gae).", min=0)
     debug: DebugConfig = _section(DebugConfig)
 
 
@@ -239,6 +289,7 @@ class TrainerConfig:
 class Config:
     data: DataConfig = _section(DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = _section(ActorRolloutRefConfig)
+    critic: CriticConfig = _section(CriticConfig)
     algorithm: AlgorithmConfig = _section(AlgorithmConfig)
     custom_reward_function: CustomRewardConfig = _section(CustomRewardConfig)
     reward: RewardConfig = _section(RewardConfig)
@@ -253,6 +304,11 @@ def _is_section(tp: Any) -> bool:
 
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+def uses_critic(cfg: Config) -> bool:
+    """Whether the run trains a value model (PPO's GAE needs one; the group estimators do not)."""
+    return cfg.algorithm.adv_estimator == "gae"
 
 
 def field_specs(cls: type = Config, prefix: str = "") -> dict[str, tuple[Any, dict]]:
@@ -549,6 +605,18 @@ def validate_config(cfg: Config) -> None:
     if cfg.algorithm.adv_estimator in ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline") and r.n < 2:
         problems.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the responses of one "
                         f"prompt, so actor_rollout_ref.rollout.n must be >= 2 (got {r.n})")
+    ob = cfg.reward.overlong_buffer
+    if ob.enable and ob.len > d.max_response_length:
+        problems.append(f"reward.overlong_buffer.len={ob.len} is longer than data.max_response_length="
+                        f"{d.max_response_length}: the penalty grows over the last len tokens before that limit")
+    if uses_critic(cfg):
+        micro = cfg.critic.ppo_micro_batch_size_per_gpu
+        if world >= 1 and mini >= 1 and micro >= 1 and mini % (micro * world):
+            problems.append(f"a mini-batch of {mini} responses does not split into micro-batches of "
+                            f"critic.ppo_micro_batch_size_per_gpu={micro} on {world} worker(s): choose one that "
+                            f"divides {mini // world or mini} ({_divisors(mini // world or mini)})")
+        if len(cfg.critic.optim.betas) != 2:
+            problems.append("critic.optim.betas must hold two numbers, e.g. [0.9, 0.999]")
     from backend.trackers import check_trackers  # trackers reads configs; imported here to avoid a cycle
 
     problems.extend(check_trackers(cfg.trainer.logger))

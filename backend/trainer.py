@@ -7,6 +7,7 @@ advantages and the update, and writes everything into the run directory.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -26,7 +27,7 @@ from tqdm import tqdm
 
 from backend import algos, checkpoint, data, rewards, trackers
 from backend.checks import check_or_raise, resume_problems
-from backend.config import Config, ConfigError, batch_plan, to_yaml, validate_config
+from backend.config import Config, ConfigError, batch_plan, to_yaml, uses_critic, validate_config
 from backend.evaluation import evaluate
 from backend.inference import Generator
 from backend.models import load_tokenizer
@@ -287,6 +288,14 @@ class Trainer:
                                              [r["ground_truth"] for r in rows], [r["extra_info"] for r in rows],
                                              custom_fn=self.custom_fn, timeout_s=cfg.reward.timeout_s)
             scores = torch.tensor(scored.scores, dtype=torch.float32)  # (B,)
+            shaping: dict[str, float] = {}
+            ob = cfg.reward.overlong_buffer
+            if ob.enable:
+                penalty = algos.overlong_penalty(response_mask.sum(-1), cfg.data.max_response_length, ob.len,
+                                                 ob.penalty_factor)
+                scores = scores + penalty
+                shaping["reward/overlong_penalty/mean"] = penalty.mean().item()
+                shaping["reward/overlong_penalty/frac"] = (penalty < 0).float().mean().item()
             token_level_scores = _place_at_last_token(scores, response_mask)  # (B, R)
             tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                        "responses": batch.responses, "response_mask": batch.response_mask}
@@ -304,6 +313,15 @@ class Trainer:
                     self.stage("computing reference log-probs", force=True)
                     tensors["ref_log_probs"] = self.workers.compute_ref_log_prob(tensors)
 
+            reward_baselines = None
+            if cfg.algorithm.adv_estimator == "remax":
+                with timer("gen_baseline", timings):
+                    reward_baselines = self._greedy_baselines(items, params)[group_ids]
+            if uses_critic(cfg):
+                with timer("values", timings):
+                    self.stage("computing critic values", force=True)
+                    tensors["values"] = self.workers.compute_values(tensors)
+
             # ---- advantages ----
             with timer("adv", timings):
                 kl_metrics: dict[str, float] = {}
@@ -318,26 +336,46 @@ class Trainer:
                     self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=len(indices))
                 advantages, returns = algos.compute_advantage(
                     cfg.algorithm.adv_estimator, token_level_rewards=token_level_rewards,
-                    response_mask=response_mask, group_ids=group_ids, gamma=cfg.algorithm.gamma,
-                    lam=cfg.algorithm.lam, norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
+                    response_mask=response_mask, group_ids=group_ids, values=tensors.get("values"),
+                    reward_baselines=reward_baselines, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+                    norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
                 tensors["advantages"] = advantages
 
             # ---- update ----
-            with timer("token_log", timings):
-                token_sample = self._token_sample(tensors)
-            with timer("update_actor", timings):
-                a = arr.actor
-                actor_metrics = self.workers.update_actor(
-                    tensors, mini_rows=a.ppo_mini_batch_size * arr.rollout.n, epochs=a.ppo_epochs, shuffle=a.shuffle,
-                    progress=lambda d, n: self.stage(f"updating micro-batch {d}/{n} (rank 0)"))
-            self._check_finite(step, actor_metrics)
+            a = arr.actor
+            mini_rows = a.ppo_mini_batch_size * arr.rollout.n
+            critic_metrics: dict[str, float] = {}
+            if uses_critic(cfg):
+                with timer("update_critic", timings):
+                    self.stage("updating the critic", force=True)
+                    tensors["returns"] = returns
+                    critic_metrics = self.workers.update_critic(tensors, mini_rows=mini_rows, epochs=a.ppo_epochs,
+                                                                shuffle=a.shuffle)
+                    critic_metrics["critic/explained_variance"] = algos.explained_variance(
+                        tensors["values"], returns, response_mask).item()
+            # PPO's critic warm-up: the first trainer.critic_warmup steps fit the values and leave the policy.
+            train_actor = not uses_critic(cfg) or step > cfg.trainer.critic_warmup
+            token_sample = None
+            actor_metrics: dict[str, float] = {}
+            if train_actor:
+                with timer("token_log", timings):
+                    token_sample = self._token_sample(tensors)
+                with timer("update_actor", timings):
+                    actor_metrics = self.workers.update_actor(
+                        tensors, mini_rows=mini_rows, epochs=a.ppo_epochs, shuffle=a.shuffle,
+                        progress=lambda d, n: self.stage(f"updating micro-batch {d}/{n} (rank 0)"))
+                self._check_finite(step, actor_metrics)
             if token_sample is not None:
                 with timer("token_log", timings):
                     self.run.write_token_log(step, self._token_rows(token_sample))
 
         # ---- metrics and rollouts ----
-        metrics = {"step": step, "epoch": epoch, "time": time.time(), **actor_metrics, **kl_metrics,
-                   **scored.metrics, **timings}
+        metrics = {"step": step, "epoch": epoch, "time": time.time(), **actor_metrics, **critic_metrics, **kl_metrics,
+                   **scored.metrics, **shaping, **timings}
+        if reward_baselines is not None:
+            metrics["reward/greedy_baseline/mean"] = reward_baselines.mean().item()
+        if "values" in tensors:
+            metrics.update(_stats("critic/values", tensors["values"][response_mask.bool()]))
         metrics.update(batch_metrics(batch, scores, token_level_rewards, advantages, returns, group_ids,
                                      cfg.data.max_response_length))
         metrics["perf/total_num_tokens"] = int(batch.attention_mask.sum())
@@ -348,6 +386,17 @@ class Trainer:
             self.run.write_rollouts(step, rollout_rows(step, rows, texts, scored, advantages, batch,
                                                        cfg.trainer.rollout_log_max))
         return metrics
+
+    def _greedy_baselines(self, items: list[dict], params: SamplingParams) -> torch.Tensor:
+        """ReMax's baseline: the score of one greedy response per prompt, (prompts,)."""
+        self.stage("generating greedy baselines", force=True)
+        greedy = dataclasses.replace(params, n=1, greedy=True)
+        batch = self.rollout.generate([it["prompt_ids"] for it in items], greedy)
+        texts = self.tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)
+        scored = rewards.score_batch([it["data_source"] for it in items], texts, [it["ground_truth"] for it in items],
+                                     [it["extra_info"] for it in items], custom_fn=self.custom_fn,
+                                     timeout_s=self.cfg.reward.timeout_s)
+        return torch.tensor(scored.scores, dtype=torch.float32)
 
     def _check_finite(self, step: int, actor_metrics: dict[str, float]) -> None:
         """Say when optimizer steps were dropped for a non-finite loss or gradient; stop if so configured."""

@@ -25,7 +25,7 @@ import torch
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from backend.config import Config, to_dict
+from backend.config import Config, to_dict, uses_critic
 from backend.rollout import RolloutBatch, SamplingParams, left_pad, right_pad
 
 Batch = dict[str, torch.Tensor]
@@ -35,6 +35,7 @@ Batch = dict[str, torch.Tensor]
 _PASSED_ENV = ("GRPO_WB_CACHE", "HF_HOME", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                "NVSHMEM_DISABLE_NVLS", "NCCL_DEBUG")
 _POLL_S = 0.5
+CRITIC = "critic"  # the critic's shards inside a checkpoint folder
 _PLACEMENT_TIMEOUT_S = 120.0
 
 
@@ -143,16 +144,24 @@ class WorkerGroup:
         master_addr, master_port = ray.get(_rendezvous.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=0),
             num_cpus=0).remote())
-        remote_cls = ray.remote(concurrency_groups={"monitor": 1})(ActorRolloutRefWorker)
-        cfg_dict = to_dict(cfg)
-        self.workers = [
-            remote_cls.options(
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=r),
-            ).remote(cfg_dict, r, self.world_size, master_addr, master_port, self.device, total_steps)
-            for r in range(self.world_size)]
+        # With a critic, each bundle (a GPU, or a share of the cores) holds one actor rank and one critic
+        # rank, colocated as in verl, each with half of the bundle's resources.
+        share = 0.5 if uses_critic(cfg) else 1.0
+        self.workers = self._spawn(ActorRolloutRefWorker, bundle, share, master_addr, master_port,
+                                   lambda r, addr, port: (to_dict(cfg), r, self.world_size, addr, port, self.device,
+                                                          total_steps))
+        self.critics = []
+        if uses_critic(cfg):
+            from backend.critic import CriticWorker
+
+            critic_addr, critic_port = ray.get(_rendezvous.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=0),
+                num_cpus=0).remote())
+            self.critics = self._spawn(CriticWorker, bundle, share, critic_addr, critic_port,
+                                       lambda r, addr, port: (critic_settings(cfg), r, self.world_size, addr, port,
+                                                              self.device, total_steps))
         # Dropping the group (or the Trainer holding it) stops the ranks and frees their placement.
-        self._stop = weakref.finalize(self, _stop, list(self.workers), self.placement)
+        self._stop = weakref.finalize(self, _stop, [*self.workers, *self.critics], self.placement)
         # The trainer's main thread learns of a lost head as an interrupt, the way it learns of Ctrl-C.
         def lost(message: str) -> None:
             if on_head_lost is not None:
@@ -162,6 +171,17 @@ class WorkerGroup:
         self.head = HeadWatch(ray.get_runtime_context().gcs_address, lost)
         self.where: list[dict] = [{"rank": r} for r in range(self.world_size)]
         self.where = self._run([w.where.remote() for w in self.workers], "start-up")
+        self._run([c.where.remote() for c in self.critics], "critic start-up")
+
+    def _spawn(self, cls: type, bundle: dict, share: float, addr: str, port: int, args: Callable) -> list:
+        """One Ray actor of `cls` per rank, rank r in bundle r of the placement with `share` of its resources."""
+        remote_cls = ray.remote(concurrency_groups={"monitor": 1})(cls)
+        return [remote_cls.options(
+                    num_cpus=bundle["CPU"] * share, num_gpus=bundle.get("GPU", 0) * share, max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement,
+                                                                         placement_group_bundle_index=r),
+                ).remote(*args(r, addr, port))
+                for r in range(self.world_size)]
 
     def _check_resources(self, bundle: dict) -> None:
         have = _resources()
@@ -257,6 +277,11 @@ class WorkerGroup:
         """The PPO update over `epochs` passes of mini-batches of `mini_rows` responses (reshuffled each
         pass when `shuffle`, from the torch RNG the trainer seeds per step). Every mini-batch is split
         evenly across the ranks, so the optimizer steps are the same for any number of ranks."""
+        args = self._update_args(batch, mini_rows, epochs, shuffle)
+        return _merge(self._each("update_actor", args, "the actor update", progress))
+
+    def _update_args(self, batch: Batch, mini_rows: int, epochs: int, shuffle: bool) -> list[tuple[Batch, int]]:
+        """Each rank's rows of an update, in order, and its rows per mini-batch."""
         total = batch["responses"].shape[0]
         local_rows = mini_rows // self.world_size
         per_rank: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
@@ -266,19 +291,31 @@ class WorkerGroup:
                 mini = order[m * mini_rows:(m + 1) * mini_rows]
                 for r in range(self.world_size):
                     per_rank[r].append(mini[r * local_rows:(r + 1) * local_rows])
-        args = [({k: v[torch.cat(idx)] for k, v in batch.items()}, local_rows) for idx in per_rank]
-        results = self._each("update_actor", args, "the actor update", progress)
-        merged = {}
-        for key in results[0]:
-            values = [r[key] for r in results if key in r]
-            merged[key] = max(values) if key.startswith("perf/") else sum(values) / len(values)
-        return merged
+        return [({k: v[torch.cat(idx)] for k, v in batch.items()}, local_rows) for idx in per_rank]
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """(B, R) critic values of the state before each response token, rows split evenly over the ranks."""
+        shards, n = _split_even(batch, self.world_size)
+        refs = [c.compute_values.remote(s) for c, s in zip(self.critics, shards, strict=True)]
+        return torch.cat(self._run(refs, "critic values"))[:n]
+
+    def update_critic(self, batch: Batch, mini_rows: int, epochs: int, shuffle: bool) -> dict[str, float]:
+        """The value-model update, in mini-batches of `mini_rows` responses split evenly across the ranks,
+        as `update_actor` does."""
+        args = self._update_args(batch, mini_rows, epochs, shuffle)
+        refs = [c.update_critic.remote(*a) for c, a in zip(self.critics, args, strict=True)]
+        return _merge(self._run(refs, "the critic update"))
 
     def save_checkpoint(self, folder: Path) -> None:
         self._all("save_checkpoint", str(folder), what="checkpoint save")
+        if self.critics:
+            self._run([c.save_checkpoint.remote(str(folder / CRITIC)) for c in self.critics], "critic checkpoint save")
 
     def load_checkpoint(self, folder: Path) -> None:
         self._all("load_checkpoint", str(folder), what=f"loading checkpoint {folder}")
+        if self.critics:
+            self._run([c.load_checkpoint.remote(str(folder / CRITIC)) for c in self.critics],
+                      f"loading the critic checkpoint {folder / CRITIC}")
 
     def export(self, folder: Path) -> None:
         self._all("export", str(folder), what="export")
@@ -310,6 +347,27 @@ def _stop(workers: list, placement) -> None:
     for w in workers:
         ray.kill(w, no_restart=True)
     ray.util.remove_placement_group(placement)
+
+
+def _merge(results: list[dict[str, float]]) -> dict[str, float]:
+    """One metrics dict from every rank's: the largest memory peak, the mean of everything else."""
+    merged = {}
+    for key in results[0]:
+        values = [r[key] for r in results if key in r]
+        merged[key] = max(values) if key.startswith("perf/") else sum(values) / len(values)
+    return merged
+
+
+def critic_settings(cfg: Config) -> dict:
+    """The critic worker's settings (backend.critic.REQUIRED_KEYS) from the run config."""
+    c, actor = cfg.critic, cfg.actor_rollout_ref.actor
+    return {"model_path": c.model.path or cfg.actor_rollout_ref.model.path,
+            "enable_gradient_checkpointing": c.model.enable_gradient_checkpointing, "lr": c.optim.lr,
+            "betas": list(c.optim.betas), "weight_decay": c.optim.weight_decay,
+            "lr_warmup_steps": c.optim.lr_warmup_steps, "grad_clip": c.grad_clip, "cliprange_value": c.cliprange_value,
+            "ppo_micro_batch_size_per_gpu": c.ppo_micro_batch_size_per_gpu, "loss_agg_mode": c.loss_agg_mode,
+            "param_dtype": c.fsdp_config.param_dtype, "offload_policy": c.fsdp_config.offload_policy,
+            "use_torch_compile": actor.use_torch_compile, "seed": cfg.trainer.seed}
 
 
 def _split_counts(n: int, parts: int) -> list[int]:

@@ -115,6 +115,7 @@ class ActorRolloutRefWorker:
         self.temperature = arr.rollout.temperature
         self.compiled = compile_layers
         self.clip_low, self.clip_high = arr.actor.clip_range()
+        self.policy_loss = algos.get_policy_loss_fn(arr.actor.policy_loss.loss_mode)
         self._progress: tuple = ()
         self._peaks: dict[str, tuple[float, float]] = {}
 
@@ -237,7 +238,7 @@ class ActorRolloutRefWorker:
                         self.actor, mb["input_ids"], mb["attention_mask"], response_len, self.temperature,
                         with_entropy=True, entropy_grad=a.entropy_coeff > 0, compiled=self.compiled)
                     old = mb.get("old_log_probs", log_probs.detach())
-                    pg_loss, pg_metrics = algos.compute_policy_loss(
+                    pg_loss, pg_metrics = self.policy_loss(
                         old, log_probs, mb["advantages"], mask, clip_ratio_low=self.clip_low,
                         clip_ratio_high=self.clip_high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode)
                     loss = pg_loss

@@ -41,6 +41,7 @@ GROUPS: dict[str, list[tuple[str, str]]] = {
     ],
     "Algorithm and sampling": [
         ("algorithm.adv_estimator", "Algorithm (advantage estimator)"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode", "Policy loss"),
         ("actor_rollout_ref.actor.loss_agg_mode", "Loss aggregation"),
         ("actor_rollout_ref.rollout.n", "Responses per prompt (rollout.n)"),
         ("actor_rollout_ref.rollout.temperature", "Temperature"),
@@ -56,6 +57,11 @@ GROUPS: dict[str, list[tuple[str, str]]] = {
         ("actor_rollout_ref.actor.kl_loss_type", "KL estimator"),
         ("actor_rollout_ref.actor.kl_loss_coef", "KL loss coefficient"),
     ],
+    "PPO critic (algorithm gae)": [
+        ("critic.optim.lr", "Critic learning rate"),
+        ("critic.ppo_micro_batch_size_per_gpu", "Critic responses per forward pass"),
+        ("trainer.critic_warmup", "Critic warm-up steps"),
+    ],
     "Schedule": [
         ("trainer.total_training_steps", "Training steps (0 = total_epochs worth)"),
         ("trainer.save_freq", "Checkpoint every N steps"),
@@ -64,11 +70,12 @@ GROUPS: dict[str, list[tuple[str, str]]] = {
     "Reward": [
         ("custom_reward_function.path", "Custom reward file (empty = built-in by data_source)"),
         ("custom_reward_function.name", "Custom reward function name"),
+        ("reward.overlong_buffer.enable", "DAPO overlong penalty"),
     ],
 }
 FIELDS = [key for group in GROUPS.values() for key, _ in group]
 SPECS = C.field_specs()
-FLOAT_FORMATS = {"actor_rollout_ref.actor.optim.lr": ("%.2e", 1e-7),
+FLOAT_FORMATS = {"actor_rollout_ref.actor.optim.lr": ("%.2e", 1e-7), "critic.optim.lr": ("%.2e", 1e-6),
                  "actor_rollout_ref.actor.kl_loss_coef": ("%.4f", 0.001)}
 
 

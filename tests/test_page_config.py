@@ -50,7 +50,7 @@ def test_every_common_field_shows_the_schema_help(page):
     specs = C.field_specs()
     widgets = [*page.number_input, *page.text_input, *page.text_area, *page.selectbox, *page.checkbox]
     fields = {w.key: w for w in widgets if w.key and w.key.startswith("cfg_")}
-    assert len(fields) == 21
+    assert len(fields) == 26
     for key, widget in fields.items():
         dotted = key.removeprefix("cfg_").replace("__", ".")
         assert widget.help.startswith(specs[dotted][1]["help"]), key

@@ -1,0 +1,85 @@
+"""Each algorithm a config can select trains end to end: two steps of the tiny model on the CPU, with the
+metrics that say it did what its name promises."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from backend.config import ConfigError, load_config
+from backend.runs import latest_checkpoint, read_metrics
+from backend.trainer import Trainer
+
+from .conftest import tiny_overrides
+
+ESTIMATORS = {
+    "drgrpo": {"algorithm.adv_estimator": "drgrpo", "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm"},
+    "reinforce_plus_plus": {"algorithm.adv_estimator": "reinforce_plus_plus",
+                            "actor_rollout_ref.actor.use_kl_loss": False, "algorithm.use_kl_in_reward": True},
+    "reinforce_plus_plus_baseline": {"algorithm.adv_estimator": "reinforce_plus_plus_baseline"},
+    "gspo": {"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo", "actor_rollout_ref.actor.clip_ratio_low": 3e-4,
+             "actor_rollout_ref.actor.clip_ratio_high": 4e-4,
+             "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean"},
+    "dapo": {"actor_rollout_ref.actor.clip_ratio_low": 0.2, "actor_rollout_ref.actor.clip_ratio_high": 0.28,
+             "actor_rollout_ref.actor.use_kl_loss": False, "reward.overlong_buffer.enable": True,
+             "reward.overlong_buffer.len": 4, "reward.overlong_buffer.penalty_factor": 1.0},
+}
+
+
+def train(run_dir, sample_sets, **extra) -> list[dict]:
+    cfg = load_config(None, tiny_overrides(sample_sets, **{"data.val_files": "[]", **extra}))
+    Trainer(cfg, run_dir, show_progress=False).train()
+    return read_metrics(run_dir)
+
+
+@pytest.mark.parametrize("name", list(ESTIMATORS))
+def test_each_group_algorithm_trains_two_steps_with_finite_metrics(tmp_path, sample_sets, name):
+    lines = train(tmp_path / name, sample_sets, **ESTIMATORS[name])
+    assert len(lines) == 2
+    for key in ("actor/pg_loss", "actor/grad_norm", "critic/advantages/mean"):
+        assert math.isfinite(lines[-1][key]), key
+
+
+def test_dapo_overlong_shaping_penalises_responses_in_the_last_tokens(tmp_path, sample_sets):
+    # Every response of the tiny model runs to the 8-token limit: all of them are in the 4-token buffer.
+    lines = train(tmp_path / "dapo", sample_sets, **ESTIMATORS["dapo"],
+                  **{"actor_rollout_ref.rollout.ignore_eos": True})
+    assert lines[-1]["reward/overlong_penalty/mean"] == pytest.approx(-1.0)
+    assert lines[-1]["reward/overlong_penalty/frac"] == 1.0
+    assert lines[-1]["critic/score/mean"] <= 0.0
+
+
+def test_remax_scores_a_greedy_response_per_prompt_as_the_baseline(tmp_path, sample_sets):
+    lines = train(tmp_path / "remax", sample_sets, **{"algorithm.adv_estimator": "remax"})
+    assert len(lines) == 2 and "timing_s/gen_baseline" in lines[-1]
+    assert 0.0 <= lines[-1]["reward/greedy_baseline/mean"] <= 1.0
+
+
+def test_ppo_with_a_critic_warms_the_critic_up_then_trains_both_and_resumes_it(tmp_path, sample_sets):
+    ppo = {"algorithm.adv_estimator": "gae", "algorithm.lam": 0.95, "trainer.critic_warmup": 1,
+           "algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.type": "adaptive",
+           "actor_rollout_ref.actor.use_kl_loss": False, "critic.optim.lr": 1e-3,
+           "critic.ppo_micro_batch_size_per_gpu": 4, "trainer.save_freq": 1}
+    lines = train(tmp_path / "ppo", sample_sets, **ppo)
+    first, second = lines
+    assert "actor/pg_loss" not in first and "actor/pg_loss" in second  # step 1 is the critic's warm-up
+    for line in lines:
+        for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm",
+                    "critic/explained_variance", "critic/returns/mean", "critic/values/mean",
+                    "actor/reward_kl_penalty"):
+            assert math.isfinite(line[key]), key
+    ckpt = latest_checkpoint(tmp_path / "ppo")
+    assert (ckpt / "critic").is_dir()
+    # Resuming restores the critic: one more step from step 2's checkpoint continues where it left off.
+    cfg = load_config(None, tiny_overrides(sample_sets, **{
+        "data.val_files": "[]", **ppo, "trainer.total_training_steps": 3, "trainer.resume_mode": "auto"}))
+    Trainer(cfg, tmp_path / "ppo", show_progress=False).train()
+    assert [m["step"] for m in read_metrics(tmp_path / "ppo")] == [1, 2, 3]
+
+
+def test_a_critic_micro_batch_that_does_not_divide_the_mini_batch_is_refused(sample_sets):
+    with pytest.raises(ConfigError, match="critic.ppo_micro_batch_size_per_gpu=3"):
+        load_config(None, tiny_overrides(sample_sets, **{"algorithm.adv_estimator": "gae",
+                                                         "critic.ppo_micro_batch_size_per_gpu": 3}))
+
