@@ -180,6 +180,14 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool = _f(False, "DAPO dynamic sampling: drop prompts whose responses all score the same (they give "
+                      "no gradient) and generate for more prompts until data.train_batch_size are kept.")
+    max_num_gen_batches: int = _f(4, "Most generation rounds per step, each of data.train_batch_size prompts; if "
+                                  "fewer groups are kept by then, the step trains on those.", min=1)
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = _f("grpo", "Advantage estimator: grpo, drgrpo (no std, no length normalisation), rloo, "
                             "reinforce_plus_plus(_baseline), remax (greedy response as baseline), gae (PPO with "
@@ -193,6 +201,7 @@ class AlgorithmConfig:
     kl_penalty: str = _f("kl", "KL estimator of the in-reward penalty.",
                          choices=("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs"))
     kl_ctrl: KLControlConfig = _section(KLControlConfig)
+    filter_groups: FilterGroupsConfig = _section(FilterGroupsConfig)
 
 
 @dataclass
@@ -609,6 +618,9 @@ def validate_config(cfg: Config) -> None:
     if ob.enable and ob.len > d.max_response_length:
         problems.append(f"reward.overlong_buffer.len={ob.len} is longer than data.max_response_length="
                         f"{d.max_response_length}: the penalty grows over the last len tokens before that limit")
+    if cfg.algorithm.filter_groups.enable and r.n < 2:
+        problems.append("algorithm.filter_groups.enable keeps prompts whose responses score differently, so "
+                        f"actor_rollout_ref.rollout.n must be >= 2 (got {r.n})")
     if uses_critic(cfg):
         micro = cfg.critic.ppo_micro_batch_size_per_gpu
         if world >= 1 and mini >= 1 and micro >= 1 and mini % (micro * world):

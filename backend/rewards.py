@@ -509,6 +509,26 @@ class ScoredBatch:
     first_error: str | None = None
 
 
+def concat_scored(parts: list[tuple[ScoredBatch, list[int]]]) -> ScoredBatch:
+    """The chosen rows of several scored batches as one. Failure counts are those of every row scored
+    (a failure in a dropped row still happened); part means are over the chosen rows."""
+    scores, row_parts, preds = [], [], []
+    metrics = {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/invalid": 0.0}
+    for scored, rows in parts:
+        scores += [scored.scores[i] for i in rows]
+        row_parts += [scored.parts[i] for i in rows]
+        preds += [scored.preds[i] for i in rows]
+        for key in metrics:
+            metrics[key] += scored.metrics[key]
+    sums: dict[str, list[float]] = {}
+    for part in row_parts:
+        for key, value in part.items():
+            sums.setdefault(key, []).append(value)
+    metrics.update({f"reward/{key}/mean": sum(v) / len(v) for key, v in sums.items()})
+    first_error = next((s.first_error for s, _ in parts if s.first_error), None)
+    return ScoredBatch(scores=scores, parts=row_parts, preds=preds, metrics=metrics, first_error=first_error)
+
+
 @dataclass
 class _Outcome:
     kind: str  # "ok" | "error" | "invalid" | "timeout"

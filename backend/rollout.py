@@ -195,6 +195,30 @@ def assemble(prompts: list[list[int]], n: int, responses: list[torch.Tensor], eo
     )
 
 
+def concat_rows(parts: list[tuple[RolloutBatch, torch.Tensor]], pad_id: int) -> RolloutBatch:
+    """The chosen rows (a (k,) index each) of several batches as one batch: prompts re-padded on the
+    left, responses on the right, groups renumbered 0.. in order of appearance (DAPO's dynamic sampling
+    keeps whole groups from several generation rounds)."""
+    prompts, responses, finish, groups = [], [], [], []
+    for number, (batch, rows) in enumerate(parts):
+        p = batch.prompt_length
+        for i in rows.tolist():
+            prompts.append(batch.input_ids[i, :p][batch.attention_mask[i, :p].bool()].tolist())
+            responses.append(batch.responses[i, :int(batch.response_mask[i].sum())])
+            finish.append(batch.finish_reasons[i])
+            groups.append((number, int(batch.prompt_index[i])))
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    lengths = torch.tensor([len(r) for r in responses])
+    width = max(int(lengths.max()), 1)
+    response_mask = (torch.arange(width) < lengths.unsqueeze(1)).long()
+    padded = right_pad(responses, width, pad_id)
+    order = {g: k for k, g in enumerate(dict.fromkeys(groups))}
+    return RolloutBatch(input_ids=torch.cat([prompt_ids, padded], 1),
+                        attention_mask=torch.cat([prompt_mask, response_mask], 1), responses=padded,
+                        response_mask=response_mask, prompt_index=torch.tensor([order[g] for g in groups]),
+                        finish_reasons=finish)
+
+
 class HFGenerateEngine:
     """Hugging Face `generate` on the actor's own model object: colocated, so it samples with the
     weights of the latest update and holds no second copy of the model."""

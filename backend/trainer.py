@@ -31,7 +31,7 @@ from backend.config import Config, ConfigError, batch_plan, to_yaml, uses_critic
 from backend.evaluation import evaluate
 from backend.inference import Generator
 from backend.models import load_tokenizer
-from backend.rollout import RolloutBatch, SamplingParams
+from backend.rollout import RolloutBatch, SamplingParams, concat_rows
 from backend.runs import RunDir, latest_checkpoint, new_run_dir, read_status
 from backend.worker_group import WorkerError, WorkerGroup
 
@@ -262,31 +262,16 @@ class Trainer:
         # Sampling depends only on (seed, step), so a resumed run draws what an uninterrupted one would.
         seed_everything(cfg.trainer.seed * 1_000_003 + step)
         with timer("step", timings):
-            # ---- prompts ----
+            # ---- prompts, rollout, reward ----
             epoch = self.sampler.epoch
-            indices = self.sampler.next_batch()
-            items = [self.train_set[i] for i in indices]
-
-            # ---- rollout ----
-            with timer("gen", timings):
-                params = SamplingParams(n=arr.rollout.n, temperature=arr.rollout.temperature,
-                                        top_p=arr.rollout.top_p, top_k=arr.rollout.top_k,
-                                        max_new_tokens=cfg.data.max_response_length,
-                                        seed=cfg.trainer.seed * 1_000_003 + step,
-                                        ignore_eos=arr.rollout.ignore_eos)
-                batch = self.rollout.generate([it["prompt_ids"] for it in items], params,
-                                              progress=self._generation_stage)
+            params = SamplingParams(n=arr.rollout.n, temperature=arr.rollout.temperature, top_p=arr.rollout.top_p,
+                                    top_k=arr.rollout.top_k, max_new_tokens=cfg.data.max_response_length,
+                                    seed=cfg.trainer.seed * 1_000_003 + step, ignore_eos=arr.rollout.ignore_eos)
+            items, batch, scored = self._sample_and_score(params, timings)
             group_ids = batch.prompt_index
             response_mask = batch.response_mask.float()  # (B, R)
             texts = self.tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)
-
-            # ---- reward ----
-            with timer("reward", timings):
-                self.stage("scoring", force=True)
-                rows = [items[i] for i in group_ids.tolist()]
-                scored = rewards.score_batch([r["data_source"] for r in rows], texts,
-                                             [r["ground_truth"] for r in rows], [r["extra_info"] for r in rows],
-                                             custom_fn=self.custom_fn, timeout_s=cfg.reward.timeout_s)
+            rows = [items[i] for i in group_ids.tolist()]
             scores = torch.tensor(scored.scores, dtype=torch.float32)  # (B,)
             shaping: dict[str, float] = {}
             ob = cfg.reward.overlong_buffer
@@ -333,7 +318,7 @@ class Trainer:
                     token_level_rewards, kl_metrics = algos.apply_kl_penalty(
                         token_level_scores, old, tensors["ref_log_probs"], response_mask, self.kl_ctrl.value,
                         cfg.algorithm.kl_penalty)
-                    self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=len(indices))
+                    self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=len(items))
                 advantages, returns = algos.compute_advantage(
                     cfg.algorithm.adv_estimator, token_level_rewards=token_level_rewards,
                     response_mask=response_mask, group_ids=group_ids, values=tensors.get("values"),
@@ -372,6 +357,8 @@ class Trainer:
         # ---- metrics and rollouts ----
         metrics = {"step": step, "epoch": epoch, "time": time.time(), **actor_metrics, **critic_metrics, **kl_metrics,
                    **scored.metrics, **shaping, **timings}
+        if cfg.algorithm.filter_groups.enable:
+            metrics.update(self._filter_stats)
         if reward_baselines is not None:
             metrics["reward/greedy_baseline/mean"] = reward_baselines.mean().item()
         if "values" in tensors:
@@ -386,6 +373,49 @@ class Trainer:
             self.run.write_rollouts(step, rollout_rows(step, rows, texts, scored, advantages, batch,
                                                        cfg.trainer.rollout_log_max))
         return metrics
+
+    def _sample_and_score(self, params: SamplingParams, timings: dict[str, float]
+                          ) -> tuple[list[dict], RolloutBatch, rewards.ScoredBatch]:
+        """The step's prompts, their responses and scores. With algorithm.filter_groups (DAPO's dynamic
+        sampling) a group whose responses all score the same is dropped (its advantages are all 0) and
+        more prompts are drawn, up to max_num_gen_batches rounds, until data.train_batch_size groups are kept."""
+        fg = self.cfg.algorithm.filter_groups
+        want = self.cfg.data.train_batch_size
+        kept_items: list[dict] = []
+        kept_batches: list[tuple[RolloutBatch, torch.Tensor]] = []
+        kept_scores: list[tuple[rewards.ScoredBatch, list[int]]] = []
+        rounds = fg.max_num_gen_batches if fg.enable else 1
+        for round_ in range(rounds):
+            items = [self.train_set[i] for i in self.sampler.next_batch()]
+            # Each round draws new samples: its own seed, still a function of (seed, step) for resumes.
+            round_params = dataclasses.replace(params, seed=params.seed + round_ * 1_000_000_007)
+            with timer("gen", timings):
+                batch = self.rollout.generate([it["prompt_ids"] for it in items], round_params,
+                                              progress=self._generation_stage)
+            with timer("reward", timings):
+                self.stage("scoring", force=True)
+                texts = self.tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)
+                rows = [items[i] for i in batch.prompt_index.tolist()]
+                scored = rewards.score_batch([r["data_source"] for r in rows], texts, [r["ground_truth"] for r in rows],
+                                             [r["extra_info"] for r in rows], custom_fn=self.custom_fn,
+                                             timeout_s=self.cfg.reward.timeout_s)
+            if not fg.enable:
+                return items, batch, scored
+            keep = algos.groups_with_signal(torch.tensor(scored.scores), batch.prompt_index)
+            groups = batch.prompt_index[keep].unique().tolist()[:want - len(kept_items)]
+            chosen = torch.nonzero(torch.isin(batch.prompt_index, torch.tensor(groups, dtype=torch.long))).flatten()
+            kept_items += [items[g] for g in groups]
+            kept_batches.append((batch, chosen))
+            kept_scores.append((scored, chosen.tolist()))
+            self._filter_stats = {"batch/dynamic_sampling_rounds": round_ + 1, "batch/kept_groups": len(kept_items)}
+            if len(kept_items) >= want:
+                break
+        if not kept_items:
+            raise RuntimeError(f"algorithm.filter_groups: every group of {rounds} generation round(s) scored the "
+                               "same for all its responses, so no step can learn from them; raise "
+                               "algorithm.filter_groups.max_num_gen_batches or rollout.n, or check the reward")
+        return (kept_items, concat_rows(kept_batches, self.tokenizer.pad_token_id),
+                rewards.concat_scored(kept_scores))
 
     def _greedy_baselines(self, items: list[dict], params: SamplingParams) -> torch.Tensor:
         """ReMax's baseline: the score of one greedy response per prompt, (prompts,)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pyarrow.parquet as pq
 import pytest
 
 from backend.config import ConfigError, load_config
@@ -83,3 +84,28 @@ def test_a_critic_micro_batch_that_does_not_divide_the_mini_batch_is_refused(sam
         load_config(None, tiny_overrides(sample_sets, **{"algorithm.adv_estimator": "gae",
                                                          "critic.ppo_micro_batch_size_per_gpu": 3}))
 
+
+
+SPREAD_ONLY_FOR_EVEN = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # Prompts with an odd answer score 0 for every response: their groups carry no signal.
+    if int(float(ground_truth)) % 2:
+        return 0.0
+    return float(len(solution_str) % 2)
+'''
+
+
+def test_dapo_dynamic_sampling_keeps_only_groups_whose_scores_differ(tmp_path, sample_sets):
+    reward = tmp_path / "spread.py"
+    reward.write_text(SPREAD_ONLY_FOR_EVEN)
+    lines = train(tmp_path / "dyn", sample_sets, **{
+        "algorithm.filter_groups.enable": True, "algorithm.filter_groups.max_num_gen_batches": 6,
+        "custom_reward_function.path": str(reward), "trainer.rollout_log_max": 64})
+    for line in lines:
+        assert 1 <= line["batch/dynamic_sampling_rounds"] <= 6
+        assert 1 <= line["batch/kept_groups"] <= 2
+        table = pq.read_table(tmp_path / "dyn" / "rollouts" / f"step_{line['step']:06d}.parquet").to_pandas()
+        assert table["group"].nunique() == line["batch/kept_groups"]
+        for _, group in table.groupby("group"):
+            assert group["reward"].nunique() > 1  # every kept group can teach something
+            assert all(int(float(g)) % 2 == 0 for g in group["ground_truth"])

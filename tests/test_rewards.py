@@ -547,3 +547,16 @@ def test_an_empty_batch_scores_nothing_and_reports_zero_counters():
     batch = score_batch([], [], [])
     assert batch.scores == [] and batch.first_error is None
     assert batch.metrics == {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/invalid": 0.0}
+
+
+def test_chosen_rows_of_scored_batches_keep_every_failure_count_and_average_their_own_parts():
+    a = rewards.ScoredBatch(scores=[1.0, 0.0], parts=[{"format": 1.0}, {"format": 0.0}], preds=["1", None],
+                            metrics={"reward/errors": 1.0, "reward/timeouts": 0.0, "reward/invalid": 0.0},
+                            first_error="row 1 raised")
+    b = rewards.ScoredBatch(scores=[0.5], parts=[{"format": 0.5}], preds=["2"],
+                            metrics={"reward/errors": 0.0, "reward/timeouts": 2.0, "reward/invalid": 0.0})
+    out = rewards.concat_scored([(a, [0]), (b, [0])])
+    assert out.scores == [1.0, 0.5] and out.preds == ["1", "2"]
+    assert out.metrics == {"reward/errors": 1.0, "reward/timeouts": 2.0, "reward/invalid": 0.0,
+                           "reward/format/mean": 0.75}
+    assert out.first_error == "row 1 raised"

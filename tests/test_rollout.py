@@ -9,6 +9,8 @@ from backend.rollout import (
     CounterSampler,
     HFGenerateEngine,
     SamplingParams,
+    assemble,
+    concat_rows,
     counter_uniform,
     left_pad,
     response_mask_from_eos,
@@ -96,3 +98,19 @@ def test_a_response_is_the_same_whichever_batch_generates_it(tiny_tokenizer):
     tail = engine.generate(prompts[1:], params, first_row=2)  # what a second worker would be given
     assert torch.equal(whole.responses[2:, :tail.responses.shape[1]], tail.responses)
     assert not torch.equal(whole.responses[0], whole.responses[1])  # two samples of one prompt differ
+
+
+def test_rows_of_several_batches_concatenate_with_fresh_padding_and_renumbered_groups():
+    pad = 0
+    first = assemble([[5, 6], [7]], 2, [torch.tensor([1, 2, 9]), torch.tensor([3]), torch.tensor([4, 9]),
+                                        torch.tensor([8, 8, 8])], eos_ids=[9], pad_id=pad)
+    second = assemble([[11, 12, 13]], 2, [torch.tensor([21]), torch.tensor([22, 23, 24, 25])], eos_ids=[9],
+                      pad_id=pad, ignore_eos=True)
+    # keep the second group of the first batch and the only group of the second
+    out = concat_rows([(first, torch.tensor([2, 3])), (second, torch.tensor([0, 1]))], pad)
+    assert out.prompt_index.tolist() == [0, 0, 1, 1]
+    assert out.responses.tolist() == [[4, 9, 0, 0], [8, 8, 8, 0], [21, 0, 0, 0], [22, 23, 24, 25]]
+    assert out.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert out.input_ids[:, :3].tolist() == [[0, 0, 7], [0, 0, 7], [11, 12, 13], [11, 12, 13]]
+    assert out.attention_mask[:, :3].tolist() == [[0, 0, 1], [0, 0, 1], [1, 1, 1], [1, 1, 1]]
+    assert out.finish_reasons == ["stop", "length", "length", "length"]
