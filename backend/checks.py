@@ -51,13 +51,23 @@ def preflight(cfg: Config) -> list[str]:
                         "(no trainer_state.json); checkpoints are runs/<id>/checkpoints/step_N")
     elif t.resume_mode == "resume_path" and t.resume_from_path:
         problems.extend(resume_problems(cfg, Path(t.resume_from_path)))
+    for target in cfg.reward.functions:
+        try:
+            rewards.load_custom_reward(target, "")
+        except rewards.RewardError as e:
+            problems.append(f"reward.functions: {target}: {e}")
+    if cfg.reward_model.enable and cfg.reward_model.model.path:
+        try:
+            model_config(cfg.reward_model.model.path)
+        except (ModelError, OSError) as e:
+            problems.append(f"reward_model.model.path: {e}")
     crf = cfg.custom_reward_function
-    if crf.path:
+    if crf.path and cfg.reward.rule_weight:
         try:
             rewards.load_custom_reward(crf.path, crf.name)
         except rewards.RewardError as e:
             problems.append(f"custom_reward_function: {e}")
-    else:
+    elif cfg.reward.rule_weight:
         for source in sorted(sources):
             try:
                 rewards.get_scorer(source)

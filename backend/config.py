@@ -221,7 +221,27 @@ class OverlongBufferConfig:
 @dataclass
 class RewardConfig:
     timeout_s: float = _f(10.0, "A reward call running longer scores 0 and is counted.", gt=0)
+    rule_weight: float = _f(1.0, "Weight of the data_source scorer (or custom_reward_function) in the score; 0 "
+                            "leaves it out (then reward.functions or reward_model score alone).", min=0)
+    functions: list[str] = _f([], "More reward functions, each 'file.py:function' or 'module:function' with verl's "
+                              "signature; each response's score adds weight x their scores, logged as "
+                              "reward/<function>/mean. They run your code.")
+    weights: list[float] = _f([], "One weight per reward.functions entry (empty: 1 each).")
     overlong_buffer: OverlongBufferConfig = _section(OverlongBufferConfig)
+
+
+@dataclass
+class RewardModelPathConfig:
+    path: str = _f("", "A Hugging Face sequence-classification model (one output) folder or Hub id.")
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = _f(False, "Score responses with a reward model (its own worker group), added to the score with "
+                      "reward_model.weight; logged as reward/reward_model/mean.")
+    model: RewardModelPathConfig = _section(RewardModelPathConfig)
+    weight: float = _f(1.0, "Weight of the reward model's score.")
+    micro_batch_size_per_gpu: int = _f(8, "Responses per reward-model forward pass.", min=1)
 
 
 # ---- critic (PPO with GAE) ----
@@ -302,6 +322,7 @@ class Config:
     algorithm: AlgorithmConfig = _section(AlgorithmConfig)
     custom_reward_function: CustomRewardConfig = _section(CustomRewardConfig)
     reward: RewardConfig = _section(RewardConfig)
+    reward_model: RewardModelConfig = _section(RewardModelConfig)
     trainer: TrainerConfig = _section(TrainerConfig)
 
 
@@ -618,6 +639,15 @@ def validate_config(cfg: Config) -> None:
     if ob.enable and ob.len > d.max_response_length:
         problems.append(f"reward.overlong_buffer.len={ob.len} is longer than data.max_response_length="
                         f"{d.max_response_length}: the penalty grows over the last len tokens before that limit")
+    rw = cfg.reward
+    if rw.weights and len(rw.weights) != len(rw.functions):
+        problems.append(f"reward.weights has {len(rw.weights)} entries and reward.functions {len(rw.functions)}: give "
+                        "one weight per function, or none for 1 each")
+    if rw.rule_weight == 0 and not rw.functions and not cfg.reward_model.enable:
+        problems.append("reward.rule_weight=0 leaves nothing to score: add reward.functions or reward_model.enable, "
+                        "or give the rule scorer a weight")
+    if cfg.reward_model.enable and not cfg.reward_model.model.path:
+        problems.append("reward_model.enable needs reward_model.model.path (a sequence-classification model)")
     if cfg.algorithm.filter_groups.enable and r.n < 2:
         problems.append("algorithm.filter_groups.enable keeps prompts whose responses score differently, so "
                         f"actor_rollout_ref.rollout.n must be >= 2 (got {r.n})")

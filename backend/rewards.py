@@ -509,6 +509,35 @@ class ScoredBatch:
     first_error: str | None = None
 
 
+def weighted_sum(terms: list[tuple[str, float, ScoredBatch]]) -> ScoredBatch:
+    """Several scorers' batches as one: score_i = sum_k w_k s_k,i. The first term is the rule scorer (its
+    parts, predictions and first error stay); every other term's score joins each row's parts under its
+    name and is logged as reward/<name>/mean. Failure counts add up over all terms.
+
+    terms: (name, weight, batch) with batches of equal length; at least one.
+    """
+    n = len(terms[0][2].scores)
+    scores = [sum(weight * batch.scores[i] for _, weight, batch in terms) for i in range(n)]
+    first_name, _, first = terms[0]
+    parts = [dict(p) for p in first.parts]
+    metrics = dict(first.metrics)
+    for name, _, batch in terms[1:]:
+        for i in range(n):
+            parts[i][name] = batch.scores[i]
+        metrics[f"reward/{name}/mean"] = sum(batch.scores) / max(n, 1)
+        for key in ("reward/errors", "reward/timeouts", "reward/invalid"):
+            metrics[key] = metrics.get(key, 0.0) + batch.metrics.get(key, 0.0)
+    first_error = next((b.first_error for _, _, b in terms if b.first_error), None)
+    return ScoredBatch(scores=scores, parts=parts, preds=list(first.preds), metrics=metrics, first_error=first_error)
+
+
+def from_scores(scores: list[float]) -> ScoredBatch:
+    """A scored batch of plain numbers (a reward model's, or zeros where no rule scores): no parts, no
+    predictions, no failures."""
+    return ScoredBatch(scores=list(scores), parts=[{} for _ in scores], preds=[None] * len(scores),
+                       metrics={"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/invalid": 0.0})
+
+
 def concat_scored(parts: list[tuple[ScoredBatch, list[int]]]) -> ScoredBatch:
     """The chosen rows of several scored batches as one. Failure counts are those of every row scored
     (a failure in a dropped row still happened); part means are over the chosen rows."""

@@ -119,6 +119,8 @@ class Trainer:
         self.sampler = data.PromptSampler(len(self.train_set), cfg.data.train_batch_size, seed=cfg.data.seed,
                                           shuffle=cfg.data.shuffle)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.sampler.steps_per_epoch
+        self.reward_fns = [(target.rpartition(":")[2], rewards.load_custom_reward(target, ""))
+                           for target in cfg.reward.functions]
         self.custom_fn = None
         if cfg.custom_reward_function.path:
             self.custom_fn = rewards.load_custom_reward(cfg.custom_reward_function.path,
@@ -394,11 +396,7 @@ class Trainer:
                                               progress=self._generation_stage)
             with timer("reward", timings):
                 self.stage("scoring", force=True)
-                texts = self.tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)
-                rows = [items[i] for i in batch.prompt_index.tolist()]
-                scored = rewards.score_batch([r["data_source"] for r in rows], texts, [r["ground_truth"] for r in rows],
-                                             [r["extra_info"] for r in rows], custom_fn=self.custom_fn,
-                                             timeout_s=self.cfg.reward.timeout_s)
+                scored = self._score([items[i] for i in batch.prompt_index.tolist()], batch)
             if not fg.enable:
                 return items, batch, scored
             keep = algos.groups_with_signal(torch.tensor(scored.scores), batch.prompt_index)
@@ -422,11 +420,24 @@ class Trainer:
         self.stage("generating greedy baselines", force=True)
         greedy = dataclasses.replace(params, n=1, greedy=True)
         batch = self.rollout.generate([it["prompt_ids"] for it in items], greedy)
+        return torch.tensor(self._score(items, batch).scores, dtype=torch.float32)
+
+    def _score(self, rows: list[dict], batch: RolloutBatch) -> rewards.ScoredBatch:
+        """Each response's score: the rule scorer (data_source's, or custom_reward_function) times
+        reward.rule_weight, plus each of reward.functions and the reward model times its weight."""
+        r = self.cfg.reward
         texts = self.tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)
-        scored = rewards.score_batch([it["data_source"] for it in items], texts, [it["ground_truth"] for it in items],
-                                     [it["extra_info"] for it in items], custom_fn=self.custom_fn,
-                                     timeout_s=self.cfg.reward.timeout_s)
-        return torch.tensor(scored.scores, dtype=torch.float32)
+        args = ([row["data_source"] for row in rows], texts, [row["ground_truth"] for row in rows],
+                [row["extra_info"] for row in rows])
+        rule = (rewards.score_batch(*args, custom_fn=self.custom_fn, timeout_s=r.timeout_s) if r.rule_weight
+                else rewards.from_scores([0.0] * len(texts)))
+        terms = [("rule", r.rule_weight, rule)]
+        for (name, fn), weight in zip(self.reward_fns, r.weights or [1.0] * len(self.reward_fns), strict=True):
+            terms.append((name, weight, rewards.score_batch(*args, custom_fn=fn, timeout_s=r.timeout_s)))
+        if self.cfg.reward_model.enable:
+            values = self.workers.score_with_reward_model([row["messages"] for row in rows], texts)
+            terms.append(("reward_model", self.cfg.reward_model.weight, rewards.from_scores(values)))
+        return rewards.weighted_sum(terms) if len(terms) > 1 or r.rule_weight != 1 else rule
 
     def _check_finite(self, step: int, actor_metrics: dict[str, float]) -> None:
         """Say when optimizer steps were dropped for a non-finite loss or gradient; stop if so configured."""

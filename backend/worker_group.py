@@ -144,9 +144,9 @@ class WorkerGroup:
         master_addr, master_port = ray.get(_rendezvous.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=0),
             num_cpus=0).remote())
-        # With a critic, each bundle (a GPU, or a share of the cores) holds one actor rank and one critic
-        # rank, colocated as in verl, each with half of the bundle's resources.
-        share = 0.5 if uses_critic(cfg) else 1.0
+        # With a critic or a reward model, each bundle (a GPU, or a share of the cores) holds one rank of
+        # each role, colocated as in verl, sharing the bundle's resources equally.
+        share = 1.0 / (1 + uses_critic(cfg) + cfg.reward_model.enable)
         self.workers = self._spawn(ActorRolloutRefWorker, bundle, share, master_addr, master_port,
                                    lambda r, addr, port: (to_dict(cfg), r, self.world_size, addr, port, self.device,
                                                           total_steps))
@@ -160,8 +160,17 @@ class WorkerGroup:
             self.critics = self._spawn(CriticWorker, bundle, share, critic_addr, critic_port,
                                        lambda r, addr, port: (critic_settings(cfg), r, self.world_size, addr, port,
                                                               self.device, total_steps))
+        self.reward_models = []
+        if cfg.reward_model.enable:
+            from backend.reward_model import RewardModelWorker
+
+            rm = cfg.reward_model
+            self.reward_models = self._spawn(RewardModelWorker, bundle, share, "", 0, lambda r, addr, port: (
+                rm.model.path, rm.micro_batch_size_per_gpu, cfg.actor_rollout_ref.actor.fsdp_config.param_dtype,
+                self.device, cfg.data.max_prompt_length + cfg.data.max_response_length))
         # Dropping the group (or the Trainer holding it) stops the ranks and frees their placement.
-        self._stop = weakref.finalize(self, _stop, [*self.workers, *self.critics], self.placement)
+        self._stop = weakref.finalize(self, _stop, [*self.workers, *self.critics, *self.reward_models],
+                                      self.placement)
         # The trainer's main thread learns of a lost head as an interrupt, the way it learns of Ctrl-C.
         def lost(message: str) -> None:
             if on_head_lost is not None:
@@ -172,6 +181,7 @@ class WorkerGroup:
         self.where: list[dict] = [{"rank": r} for r in range(self.world_size)]
         self.where = self._run([w.where.remote() for w in self.workers], "start-up")
         self._run([c.where.remote() for c in self.critics], "critic start-up")
+        self._run([m.where.remote() for m in self.reward_models], "reward model start-up")
 
     def _spawn(self, cls: type, bundle: dict, share: float, addr: str, port: int, args: Callable) -> list:
         """One Ray actor of `cls` per rank, rank r in bundle r of the placement with `share` of its resources."""
@@ -298,6 +308,14 @@ class WorkerGroup:
         shards, n = _split_even(batch, self.world_size)
         refs = [c.compute_values.remote(s) for c, s in zip(self.critics, shards, strict=True)]
         return torch.cat(self._run(refs, "critic values"))[:n]
+
+    def score_with_reward_model(self, messages: list[list[dict]], responses: list[str]) -> list[float]:
+        """The reward model's score of each response, each rank scoring a contiguous share."""
+        shares = _split_counts(len(responses), len(self.reward_models))
+        starts = [sum(shares[:r]) for r in range(len(shares))]
+        refs = [m.score.remote(messages[s:s + c], responses[s:s + c])
+                for m, s, c in zip(self.reward_models, starts, shares, strict=True) if c]
+        return [x for part in self._run(refs, "reward model scoring") for x in part]
 
     def update_critic(self, batch: Batch, mini_rows: int, epochs: int, shuffle: bool) -> dict[str, float]:
         """The value-model update, in mini-batches of `mini_rows` responses split evenly across the ranks,

@@ -209,14 +209,22 @@ def _field(key: str, label: str, disabled: bool, problems: dict[str, list[str]])
 def _user_code_notice(draft: C.Config | None) -> None:
     # A custom reward is imported and called by the trainer, not sandboxed: whoever launches a config they did
     # not write (a shared YAML, an earlier run, a pasted verl script) should see whose code that puts in play.
-    crf = draft.custom_reward_function if draft is not None else None
-    path = crf.path.strip() if crf is not None and isinstance(crf.path, str) else ""
-    if not path:
+    if draft is None:
         return
-    name = crf.name.strip() if isinstance(crf.name, str) and crf.name.strip() else "(no function name set)"
-    st.warning(f"Launching this config runs your code: the function `{name}` from `{path}` is imported and called "
-               "inside the training process, with your user's permissions (it can read and write your files and "
-               "reach the network). Launch it only if you trust that code.", icon="⚠️")
+    targets = []
+    crf = draft.custom_reward_function
+    path = crf.path.strip() if isinstance(crf.path, str) else ""
+    if path:
+        name = crf.name.strip() if isinstance(crf.name, str) and crf.name.strip() else "(no function name set)"
+        targets.append(f"`{name}` from `{path}`")
+    functions = draft.reward.functions if isinstance(draft.reward.functions, list) else []
+    targets += [f"`{t}`" for t in functions if isinstance(t, str) and t.strip()]
+    if not targets:
+        return
+    st.warning(f"Launching this config runs your code: {', '.join(targets)} "
+               f"{'is' if len(targets) == 1 else 'are'} imported and called inside the training process, with "
+               "your user's permissions (it can read and write your files and reach the network). Launch it only "
+               "if you trust that code.", icon="⚠️")
 
 
 def _derived(draft: C.Config | None) -> None:

@@ -7,7 +7,9 @@ import math
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
+from backend import rewards
 from backend.config import ConfigError, load_config
 from backend.runs import latest_checkpoint, read_metrics
 from backend.trainer import Trainer
@@ -109,3 +111,55 @@ def test_dapo_dynamic_sampling_keeps_only_groups_whose_scores_differ(tmp_path, s
         for _, group in table.groupby("group"):
             assert group["reward"].nunique() > 1  # every kept group can teach something
             assert all(int(float(g)) % 2 == 0 for g in group["ground_truth"])
+
+
+REWARD_FUNCTIONS = '''
+def brevity(data_source, solution_str, ground_truth, extra_info=None):
+    return -len(solution_str) / 100
+
+
+def has_digit(data_source, solution_str, ground_truth, extra_info=None):
+    return float(any(c.isdigit() for c in solution_str))
+'''
+
+
+def test_several_reward_functions_are_summed_with_their_weights_and_each_is_logged(tmp_path, sample_sets):
+    (tmp_path / "extra.py").write_text(REWARD_FUNCTIONS)
+    lines = train(tmp_path / "multi", sample_sets, **{
+        "reward.rule_weight": 0.5, "reward.functions": f"[{tmp_path}/extra.py:brevity, {tmp_path}/extra.py:has_digit]",
+        "reward.weights": "[2.0, 0.25]", "trainer.total_training_steps": 1})
+    assert "reward/brevity/mean" in lines[0] and "reward/has_digit/mean" in lines[0]
+    table = pq.read_table(tmp_path / "multi" / "rollouts" / "step_000001.parquet").to_pandas()
+    rule = rewards.score_batch(list(table["data_source"]), list(table["response"]), list(table["ground_truth"]))
+    for (_, row), rule_score in zip(table.iterrows(), rule.scores, strict=True):
+        brevity = -len(row["response"]) / 100
+        digit = float(any(c.isdigit() for c in row["response"]))
+        assert row["reward_brevity"] == pytest.approx(brevity) and row["reward_has_digit"] == digit
+        assert row["reward"] == pytest.approx(0.5 * rule_score + 2.0 * brevity + 0.25 * digit)
+
+
+def test_a_reward_model_alone_scores_each_response_as_the_model_does(tmp_path, sample_sets):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from backend.data import load_rows
+    from backend.models import resolve_model
+    from backend.reward_model import load_reward_model, pair_texts
+
+    rm_dir = tmp_path / "tiny-rm"
+    source = resolve_model("tiny-qwen3")
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(source, num_labels=1).save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(source).save_pretrained(rm_dir)
+    lines = train(tmp_path / "rm", sample_sets, **{
+        "reward_model.enable": True, "reward_model.model.path": str(rm_dir), "reward_model.weight": 2.0,
+        "reward.rule_weight": 0, "trainer.total_training_steps": 1, "trainer.rollout_log_max": 64})
+    assert math.isfinite(lines[0]["reward/reward_model/mean"])
+    table = pq.read_table(tmp_path / "rm" / "rollouts" / "step_000001.parquet").to_pandas()
+    model, tokenizer = load_reward_model(str(rm_dir), torch.device("cpu"), torch.float32)
+    rows = load_rows(sample_sets["train"])  # the rollouts' index is the row's position in the train file
+    texts = pair_texts(tokenizer, [list(rows[int(i)]["prompt"]) for i in table["index"]], list(table["response"]))
+    with torch.no_grad():
+        expected = [model(**tokenizer(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item()
+                    for t in texts]
+    assert table["reward_reward_model"].tolist() == pytest.approx(expected, abs=1e-4)
+    assert table["reward"].tolist() == pytest.approx([2 * e for e in expected], abs=2e-4)

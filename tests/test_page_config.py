@@ -188,6 +188,10 @@ def test_a_custom_reward_file_is_named_as_code_that_launching_runs(page):
     page.text_input(key="cfg_custom_reward_function__path").input("").run()
     assert not any("runs your code" in w for w in warning_texts(page))
 
+    page.text_area(key="config_yaml").input("reward:\n  functions: [extra.py:brevity, pkg.rewards:fmt]\n").run()
+    [notice] = [w for w in warning_texts(page) if "runs your code" in w]
+    assert "`extra.py:brevity`" in notice and "`pkg.rewards:fmt`" in notice and " are imported" in notice
+
 
 # ---- the plan panel ----
 

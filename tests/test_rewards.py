@@ -560,3 +560,14 @@ def test_chosen_rows_of_scored_batches_keep_every_failure_count_and_average_thei
     assert out.metrics == {"reward/errors": 1.0, "reward/timeouts": 2.0, "reward/invalid": 0.0,
                            "reward/format/mean": 0.75}
     assert out.first_error == "row 1 raised"
+
+
+def test_a_weighted_sum_adds_each_scorer_times_its_weight_and_names_each_part():
+    rule = rewards.ScoredBatch(scores=[1.0, 0.0], parts=[{"acc": 1.0}, {"acc": 0.0}], preds=["3", None],
+                               metrics={"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/invalid": 1.0})
+    brevity = rewards.from_scores([0.5, -1.0])
+    out = rewards.weighted_sum([("rule", 2.0, rule), ("brevity", 0.25, brevity)])
+    assert out.scores == [2.0 + 0.125, 0.0 - 0.25]
+    assert out.parts == [{"acc": 1.0, "brevity": 0.5}, {"acc": 0.0, "brevity": -1.0}]
+    assert out.preds == ["3", None]
+    assert out.metrics["reward/brevity/mean"] == -0.25 and out.metrics["reward/invalid"] == 1.0
