@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from backend.algos import LOG_PROB_CHUNK_TOKENS
-from backend.config import Config, ConfigError, batch_plan, validate_config, yaml_value
+from backend.config import Config, ConfigError, batch_plan, uses_critic, validate_config, yaml_value
+from backend.models import ModelError
 
 GiB = 2**30
 
@@ -440,6 +441,25 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
     update_s = seconds(lambda: a.ppo_epochs * ((8 if gc else 6) * P * tokens / flops
                                                + 2 * math.ceil(rows_rank / m_upd) * overhead))
 
+    # ---- the critic and the reward model: their own processes on the same GPUs, holding their own ----
+    critic_phases: list[Phase] = []
+    if uses_critic(cfg):
+        cd = model_dims(cfg.critic.model.path or arr.model.path)
+        if not (on_gpu and cfg.critic.fsdp_config.offload_policy):
+            held["critic fp32 shard, AdamW states and gradients"] = 16 * cd.params / W
+        m_c = min(cfg.critic.ppo_micro_batch_size_per_gpu, mini_rank)
+        critic_gathered = c * (cd.layer_params + cd.root_params)
+        critic_acts = (m_c * T * cd.hidden * c * (cd.layers + act) if cfg.critic.model.enable_gradient_checkpointing
+                       else m_c * T * cd.layers * cd.hidden * act)
+        critic_phases = [Phase("critic update", True, terms={**held, "critic activations": critic_acts,
+                                                              "critic gathered layer + root": critic_gathered},
+                               seconds=seconds(lambda: 6 * cd.params * tokens / flops))]
+    if cfg.reward_model.enable:
+        try:
+            rd = model_dims(cfg.reward_model.model.path)
+            held[f"reward model ({dtype}, whole on every worker)"] = c * rd.params
+        except ModelError:  # a Hub id this machine cannot reach: plan without it, and say so
+            notes.append("the reward model's size is unknown (its config cannot be read as a causal LM)")
     phases = [
         Phase("generation", True, terms={**held, **gen}, seconds=gen_s),
         Phase("old log-prob", old_runs, "on-policy with one optimizer step: the update computes them",
@@ -447,6 +467,7 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         Phase("reference log-prob", has_ref, "no reference model (use_kl_loss and use_kl_in_reward are off)",
               terms={**held, **forward_terms(m_ref, entropy=False)}, seconds=forward_s(m_ref)),
         Phase("update", True, terms={**held, **update}, seconds=update_s),
+        *critic_phases,
     ]
     frag, fixed = (cal["fragmentation"], cal["cuda_overhead_gib"] * GiB) if on_gpu else (1.0, 0.0)
     for p in phases:

@@ -307,3 +307,21 @@ def test_cli_plan_of_a_bad_config_exits_2_with_the_config_error():
     assert result.returncode == 2
     assert "error: invalid config:" in result.stderr
     assert "data.train_batch_size=6 is not divisible by actor_rollout_ref.actor.ppo_mini_batch_size=4" in result.stderr
+
+
+def test_a_critic_adds_its_sharded_state_to_every_phase_and_its_own_update():
+    base = planner.plan(tiny(*WORKED), gpu="h200", calibration=CHOSEN)
+    ppo = planner.plan(tiny(*WORKED, "algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4"),
+                       gpu="h200", calibration=CHOSEN)
+    W = 2
+    assert ppo.held["critic fp32 shard, AdamW states and gradients"] == 16 * P / W
+    assert ppo.phase("generation").allocated == base.phase("generation").allocated + 16 * P / W
+    critic = ppo.phase("critic update")
+    assert critic.runs and critic.terms["critic activations"] == 4 * 128 * L * H * 10
+    assert "critic update" not in [p.name for p in base.phases]
+
+
+def test_a_reward_model_is_held_whole_on_every_worker():
+    with_rm = planner.plan(tiny(*WORKED, "reward_model.enable=true", "reward_model.model.path=tiny-qwen3"),
+                           gpu="h200", calibration=CHOSEN)
+    assert with_rm.held["reward model (bf16, whole on every worker)"] == 2 * P
