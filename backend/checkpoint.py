@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from backend import lora
+
 SHARDS = "shards"
 HF = "huggingface"
 _MODEL = "model"
@@ -76,7 +78,8 @@ def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
 # ---- anywhere (no process group) ----
 
 def merged_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
-    """The full weights of a sharded checkpoint, assembled from every rank's shards (fp32, CPU)."""
+    """The full weights of a sharded checkpoint, assembled from every rank's shards (fp32, CPU), under the
+    plain model's names (a LoRA run's adapters merged in)."""
     import torch.distributed.checkpoint as dcp
 
     shards = Path(folder) / SHARDS
@@ -91,6 +94,9 @@ def merged_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():  # loading without a process group is the point here, not a mistake
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=shards, no_dist=True)
+    settings = lora.load_settings(Path(folder))
+    if settings is not None:  # a LoRA run's checkpoint: fold the adapters into the plain model's weights
+        return lora.merge_state_dict(state[_MODEL], settings["rank"], settings["alpha"])
     return state[_MODEL]
 
 

@@ -68,6 +68,11 @@ class ModelConfig:
                    "or a Hugging Face Hub id.")
     tokenizer_path: str = _f("", "Tokenizer folder or Hub id, if not the model's own.")
     enable_gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    lora_rank: int = _f(0, "LoRA rank: train low-rank adapters on the base's linear layers instead of every weight "
+                        "(PEFT); the reference is the base with adapters off. 0 trains every weight.", min=0)
+    lora_alpha: float = _f(16.0, "LoRA alpha: the adapters' update is scaled by lora_alpha / lora_rank.", gt=0)
+    target_modules: list[str] = _f(["all-linear"], "Layers that get adapters: all-linear, or module names such as "
+                                   "q_proj, v_proj.")
 
 
 @dataclass

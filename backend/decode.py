@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from backend import decode_attention
+from backend.lora import effective_weight
 from backend.rollout import RolloutBatch, SamplingParams, assemble, eos_ids_of, left_pad, sample_tokens
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -78,17 +79,19 @@ def _layer_sources(layer) -> dict[str, list[torch.Tensor] | None]:
         tensor = getattr(module, name, None) if module is not None else None
         return None if tensor is None else [tensor]
 
+    w = effective_weight  # a LoRA layer's weight with its adapters merged in
+
     return {
         "ln1": [layer.input_layernorm.weight],
-        "qkv": [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight],
+        "qkv": [w(att.q_proj), w(att.k_proj), w(att.v_proj)],
         "qkv_bias": None if att.q_proj.bias is None else [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias],
         "q_norm": optional(getattr(att, "q_norm", None), "weight"),
         "k_norm": optional(getattr(att, "k_norm", None), "weight"),
-        "o": [att.o_proj.weight],
+        "o": [w(att.o_proj)],
         "o_bias": optional(att.o_proj, "bias"),
         "ln2": [layer.post_attention_layernorm.weight],
-        "gate_up": [mlp.gate_proj.weight, mlp.up_proj.weight],
-        "down": [mlp.down_proj.weight],
+        "gate_up": [w(mlp.gate_proj), w(mlp.up_proj)],
+        "down": [w(mlp.down_proj)],
     }
 
 

@@ -145,6 +145,7 @@ class ModelDims:
     kv_heads: int      # Hkv
     head_dim: int      # D
     intermediate: int  # I (informational: P_layer is counted exactly)
+    linear_in_out: dict[str, int] = field(default_factory=dict)  # per linear layer name: sum over layers of in + out
 
 
 @functools.lru_cache(maxsize=32)
@@ -175,6 +176,13 @@ def model_dims(path: str) -> ModelDims:
         layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
     except ValueError:
         layer_sizes = []
+    linear_in_out: dict[str, int] = {}
+    if layer_sizes:
+        for layer in decoder_layers(model):
+            for name, module in layer.named_modules():
+                if isinstance(module, torch.nn.Linear):
+                    short = name.rpartition(".")[2]
+                    linear_in_out[short] = linear_in_out.get(short, 0) + module.in_features + module.out_features
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     hidden, heads = text.hidden_size, text.num_attention_heads
     layers = text.num_hidden_layers
@@ -186,7 +194,14 @@ def model_dims(path: str) -> ModelDims:
         root_params=params - sum(layer_sizes), layers=layers, hidden=hidden, vocab=text.vocab_size,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or hidden // heads,
-        intermediate=getattr(text, "intermediate_size", 0) or 0)
+        intermediate=getattr(text, "intermediate_size", 0) or 0, linear_in_out=linear_in_out)
+
+
+def lora_params(dims: ModelDims, rank: int, target_modules: list[str]) -> int:
+    """Trainable parameters of LoRA adapters of `rank` on the named linear layers (all-linear: every one
+    in the decoder layers): rank x (in + out) each."""
+    return rank * sum(v for name, v in dims.linear_in_out.items()
+                      if target_modules == ["all-linear"] or name in target_modules)
 
 
 # ---- the plan ----
@@ -378,14 +393,19 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
 
     # ---- held through every phase ----
     held: dict[str, float] = {}
+    # With LoRA only the adapters (P_t of them) have gradients and AdamW states, and the reference is the
+    # actor itself with its adapters off.
+    lora_rank = arr.model.lora_rank
+    trained = lora_params(dims, lora_rank, arr.model.target_modules) if lora_rank else P
     if not offload:
-        held.update({"actor fp32 master shard": 4 * P / W, "AdamW states": 8 * P / W,
-                     "fp32 gradients": 4 * P / W})
-    if has_ref and not ref_offload:
+        held.update({"actor fp32 master shard": 4 * (P + (trained if lora_rank else 0)) / W,
+                     "AdamW states": 8 * trained / W, "fp32 gradients": 4 * trained / W})
+    if has_ref and not ref_offload and not lora_rank:
         held[f"reference shard ({dtype})"] = c * P / W
     if engine_copy:
         held[f"rollout engine weights ({dtype})"] = c * P
-    host_per_worker = (16 * P / W if offload else 0.0) + (c * P / W if has_ref and ref_offload else 0.0)
+    host_per_worker = (16 * P / W if offload else 0.0) + (c * P / W if has_ref and ref_offload and not lora_rank
+                                                          else 0.0)
 
     gathered = c * (dims.layer_params + dims.root_params)
 
@@ -542,6 +562,8 @@ _NOTES = {
     "actor_rollout_ref.actor.fsdp_config.offload_policy": "weights, gradients and AdamW states in CPU memory, the "
                                                           "optimizer steps there: much slower updates",
     "trainer.n_gpus_per_node": "more GPUs",
+    "actor_rollout_ref.model.lora_rank": "LoRA adapters instead of every weight (no AdamW state for the base, no "
+                                         "reference copy); a different update, usually slower to learn",
 }
 
 
@@ -564,6 +586,7 @@ def _candidates(cfg: Config, device: str) -> list[tuple[str, list[Any]]]:
          _halvings(min(r.log_prob_micro_batch_size_per_gpu, rows_rank))),
         ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
          _halvings(min(arr.ref.log_prob_micro_batch_size_per_gpu, rows_rank))),
+        ("actor_rollout_ref.model.lora_rank", [] if arr.model.lora_rank else [64, 16]),
     ]
     if device == "cuda":
         out += [

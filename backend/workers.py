@@ -20,7 +20,7 @@ from pathlib import Path
 import ray
 import torch
 
-from backend import algos, checkpoint, decode, distributed
+from backend import algos, checkpoint, decode, distributed, lora
 from backend.config import Config, from_dict
 from backend.models import load_model, load_tokenizer
 from backend.rollout import HFGenerateEngine, SamplingParams
@@ -93,17 +93,22 @@ class ActorRolloutRefWorker:
         self.actor = load_model(arr.model.path, torch.device("cpu"))  # fp32 master weights, sharded below
         if arr.model.enable_gradient_checkpointing:
             self.actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.lora = arr.model.lora_rank > 0
+        if self.lora:
+            self.actor = lora.wrap(self.actor, arr.model.lora_rank, arr.model.lora_alpha, arr.model.target_modules)
         distributed.shard_model(self.actor, self.device, dtype, offload=arr.actor.fsdp_config.offload_policy,
                                 compile_layers=compile_layers)
         self.actor.train()
         opt = arr.actor.optim
-        self.optimizer = torch.optim.AdamW(self.actor.parameters(), lr=opt.lr, betas=tuple(opt.betas),
-                                           weight_decay=opt.weight_decay)
+        # With LoRA only the adapters train: the frozen base gets no gradients and no AdamW state.
+        self.optimizer = torch.optim.AdamW([p for p in self.actor.parameters() if p.requires_grad], lr=opt.lr,
+                                           betas=tuple(opt.betas), weight_decay=opt.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_lambda(opt.lr_warmup_steps, total_steps, opt.warmup_style, opt.min_lr_ratio))
 
         self.ref = None
-        if arr.actor.use_kl_loss or self.cfg.algorithm.use_kl_in_reward:
+        # A LoRA run's reference is its own base with the adapters off (lora.reference_mode): no second copy.
+        if (arr.actor.use_kl_loss or self.cfg.algorithm.use_kl_in_reward) and not self.lora:
             # Stored in the compute dtype (no optimizer needs fp32 here): the same values the actor's
             # fp32 weights gather to, so the KL is exactly 0 before the first update.
             self.ref = load_model(arr.model.path, torch.device("cpu"), dtype).eval().requires_grad_(False)
@@ -127,9 +132,10 @@ class ActorRolloutRefWorker:
                                     autocast=False)
         if reason:
             raise ValueError(f"actor_rollout_ref.rollout.name=workbench cannot run this model: {reason}")
-        return decode.StaticCacheEngine(self.actor, self.tokenizer, r.generation_batch_size, self.device, dtype,
-                                        max_len=self.cfg.data.max_prompt_length + self.cfg.data.max_response_length,
-                                        cuda_graphs=not r.enforce_eager, free_after_generate=r.free_cache_engine)
+        max_len = self.cfg.data.max_prompt_length + self.cfg.data.max_response_length
+        return decode.StaticCacheEngine(lora.unwrap(self.actor), self.tokenizer, r.generation_batch_size,
+                                        self.device, dtype, max_len=max_len, cuda_graphs=not r.enforce_eager,
+                                        free_after_generate=r.free_cache_engine)
 
     # ---- where this worker is, how far it got (read by the controller while a call runs) ----
 
@@ -159,7 +165,7 @@ class ActorRolloutRefWorker:
             if isinstance(self.rollout, decode.StaticCacheEngine):
                 # The engine keeps its own copy: gather, copy in, and free the gathered weights at once.
                 with distributed.unsharded(self.actor):
-                    self.rollout.load_weights(self.actor)
+                    self.rollout.load_weights(lora.unwrap(self.actor))
                 batch = self.rollout.generate(prompts, params, first_row=first_row, progress=report)
             else:
                 with distributed.unsharded(self.actor):
@@ -193,11 +199,12 @@ class ActorRolloutRefWorker:
         """(b, R) log-probs of the responses under the reference model."""
         micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
         inputs = _to_device({k: batch[k] for k in ("input_ids", "attention_mask")}, self.device)
-        with self._phase("ref"):
-            parts = [response_log_probs(self.ref, mb["input_ids"], mb["attention_mask"], batch["responses"].shape[1],
+        model = self.ref if self.ref is not None else self.actor
+        with self._phase("ref"), (lora.reference_mode(self.actor) if self.ref is None else contextlib.nullcontext()):
+            parts = [response_log_probs(model, mb["input_ids"], mb["attention_mask"], batch["responses"].shape[1],
                                         self.temperature, compiled=self.compiled)[0]
                      for mb in _micro_batches(inputs, micro)]
-            self.ref.reshard()
+            model.reshard()
         return torch.cat(parts).cpu()
 
     # ---- the update ----
@@ -304,6 +311,9 @@ class ActorRolloutRefWorker:
 
     def save_checkpoint(self, folder: str) -> None:
         checkpoint.save_sharded(Path(folder), self.actor, self.optimizer, self.scheduler, self.rank)
+        if self.lora and self.rank == 0:
+            model = self.cfg.actor_rollout_ref.model
+            lora.save_settings(Path(folder), model.lora_rank, model.lora_alpha)
 
     def load_checkpoint(self, folder: str) -> None:
         checkpoint.load_sharded(Path(folder), self.actor, self.optimizer, self.scheduler, self.rank)
@@ -311,6 +321,9 @@ class ActorRolloutRefWorker:
     def export(self, folder: str) -> None:
         """The current weights, gathered from every rank, as a Hugging Face folder written by rank 0."""
         state = distributed.full_state_dict(self.actor)
+        if self.rank == 0 and self.lora:
+            model = self.cfg.actor_rollout_ref.model
+            state = lora.merge_state_dict(state, model.lora_rank, model.lora_alpha)
         if self.rank == 0:
             checkpoint.save_hf(state, self.actor.config, self.actor.generation_config, Path(folder))
             (Path(folder) / "grpo_workbench.json").write_text(

@@ -325,3 +325,19 @@ def test_a_reward_model_is_held_whole_on_every_worker():
     with_rm = planner.plan(tiny(*WORKED, "reward_model.enable=true", "reward_model.model.path=tiny-qwen3"),
                            gpu="h200", calibration=CHOSEN)
     assert with_rm.held["reward model (bf16, whole on every worker)"] == 2 * P
+
+
+def test_lora_keeps_the_fp32_base_but_drops_its_adam_state_gradients_and_the_reference_copy():
+    full = planner.plan(tiny(*WORKED), gpu="h200", calibration=CHOSEN)
+    lora = planner.plan(tiny(*WORKED, "actor_rollout_ref.model.lora_rank=4"), gpu="h200", calibration=CHOSEN)
+    dims = planner.model_dims("tiny-qwen3")
+    # tiny-qwen3, per layer: q (64 -> 64), k, v (64 -> 32), o (64 -> 64), gate, up (64 -> 128), down (128 -> 64)
+    per_layer = (64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 128) + (128 + 64)
+    trained = 4 * L * per_layer
+    assert planner.lora_params(dims, 4, ["all-linear"]) == trained
+    assert planner.lora_params(dims, 4, ["q_proj", "v_proj"]) == 4 * L * ((64 + 64) + (64 + 32))
+    W = 2
+    assert lora.held["AdamW states"] == 8 * trained / W and lora.held["fp32 gradients"] == 4 * trained / W
+    assert lora.held["actor fp32 master shard"] == 4 * (P + trained) / W
+    assert not any(k.startswith("reference shard") for k in lora.held)
+    assert lora.need_gib < full.need_gib
