@@ -77,7 +77,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="lora-memory-"))
     model_dir = grpo_step.build_model(args.tokenizer, work / "model", small=args.small)
     prompts = grpo_step.write_prompts(trl_grpo.random_prompts(16), work / "prompts.parquet")
-    rows = [measure(model_dir, prompts, rank, device, args.small) for rank in [0, *args.ranks]]
+    rows = []
+    for rank in [0, *args.ranks]:
+        rows.append(measure(model_dir, prompts, rank, device, args.small))
+        print(json.dumps(rows[-1]), flush=True)  # each row as soon as it is measured
     keys = ["lora_rank", "trainable_params", "allocated_between_steps_gib", "max_memory_allocated_gb",
             "max_memory_reserved_gb", "max_memory_allocated_gb/update_actor", "max_memory_allocated_gb/gen"]
     print("| " + " | ".join(keys) + " |")
