@@ -46,9 +46,23 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def reference_mode(model: torch.nn.Module) -> Iterator[None]:
-    """The base model's outputs for the duration: what the reference model of a LoRA run computes."""
-    with model.disable_adapter():
+    """The base model's outputs for the duration: what the reference model of a LoRA run computes.
+
+    Each adapted layer's switch is flipped directly rather than through PEFT's `disable_adapter`, which
+    also turns the adapters' requires_grad off and on: FSDP2 reads requires_grad at its first forward to
+    choose the dtype it reduces gradients in, and a first forward in this mode would make it reduce the
+    adapters' gradients in bf16 into fp32 parameters (it fails on the GPU)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    saved = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
         yield
+    finally:
+        for m, state in zip(layers, saved, strict=True):
+            m._disable_adapters = state
 
 
 def effective_weight(linear: torch.nn.Module) -> torch.Tensor:

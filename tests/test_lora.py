@@ -74,7 +74,13 @@ def test_the_rollout_engine_samples_with_the_adapters_merged_in(tiny_tokenizer):
     assert torch.equal(engine.generate(prompts, params).responses, expected.responses)
     with lora.reference_mode(model):
         base = HFGenerateEngine(model, tiny_tokenizer, batch_size=8).generate(prompts, params)
+        # FSDP2 decides at its first forward, perhaps this one, which parameters train
+        assert all(p.requires_grad for name, p in model.named_parameters() if "lora_" in name)
     assert not torch.equal(base.responses, expected.responses)  # the adapters do change what is sampled
+    plain = load_model("tiny-qwen3", torch.device("cpu")).eval()
+    with lora.reference_mode(model):
+        expected_base = HFGenerateEngine(plain, tiny_tokenizer, batch_size=8).generate(prompts, params)
+    assert torch.equal(base.responses, expected_base.responses)  # reference mode is the base model
 
 
 def test_a_lora_run_exports_and_merges_a_plain_model_that_loads_without_peft(tmp_path, sample_sets):
