@@ -33,7 +33,6 @@ on the CPU, and every method that runs the model is collective (all ranks, same 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import socket
@@ -44,7 +43,7 @@ import torch
 
 from backend import algos, checkpoint, distributed
 from backend.models import ModelError, resolve_model
-from backend.workers import _lr_lambda, _micro_batches, _node_ip
+from backend.workers import PeakMemory, _lr_lambda, _micro_batches, _node_ip
 
 Batch = dict[str, torch.Tensor]
 
@@ -149,7 +148,8 @@ class CriticWorker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_lambda(c["lr_warmup_steps"], total_steps, c["warmup_style"], c["min_lr_ratio"]))
         self._progress: tuple = ()
-        self._peaks: dict[str, tuple[float, float]] = {}
+        self._peaks = PeakMemory(self.device)
+        self._phase = self._peaks.phase
 
     # ---- where this worker is, how far it got (read by the controller while a call runs) ----
 
@@ -245,26 +245,11 @@ class CriticWorker:
     def _report(self, *state) -> None:
         self._progress = state
 
-    @contextlib.contextmanager
-    def _phase(self, name: str):
-        """Record this rank's peak GPU memory during one phase (nothing on CPU)."""
-        if self.device.type != "cuda":
-            yield
-            return
-        torch.cuda.reset_peak_memory_stats()
-        yield
-        self._peaks[name] = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30)
-
     def memory(self) -> dict[str, float]:
         """Peak GPU memory of this rank in each critic phase since the last call, in GiB:
         perf/max_memory_{allocated,reserved}_gb/<values|update_critic> (nothing on CPU). No overall
         peak: that key is the actor's, and the trainer merges both workers' metrics into one line."""
-        out: dict[str, float] = {}
-        for name, (allocated, reserved) in self._peaks.items():
-            out[f"perf/max_memory_allocated_gb/{name}"] = allocated
-            out[f"perf/max_memory_reserved_gb/{name}"] = reserved
-        self._peaks = {}
-        return out
+        return self._peaks.take(overall=False)
 
     # ---- checkpoints ----
 

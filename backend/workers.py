@@ -62,6 +62,36 @@ def _to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: v.to(device) for k, v in batch.items()}
 
 
+class PeakMemory:
+    """Each phase's peak GPU memory in this process, in GiB (nothing is recorded on CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peaks: dict[str, tuple[float, float]] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if self.device.type != "cuda":
+            yield
+            return
+        torch.cuda.reset_peak_memory_stats()
+        yield
+        self.peaks[name] = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30)
+
+    def take(self, overall: bool) -> dict[str, float]:
+        """perf/max_memory_{allocated,reserved}_gb/<phase> since the last call, and with `overall` the
+        largest over the phases under perf/max_memory_{allocated,reserved}_gb; then starts afresh."""
+        out: dict[str, float] = {}
+        for name, (allocated, reserved) in self.peaks.items():
+            out[f"perf/max_memory_allocated_gb/{name}"] = allocated
+            out[f"perf/max_memory_reserved_gb/{name}"] = reserved
+        if overall and self.peaks:
+            out["perf/max_memory_allocated_gb"] = max(a for a, _ in self.peaks.values())
+            out["perf/max_memory_reserved_gb"] = max(r for _, r in self.peaks.values())
+        self.peaks = {}
+        return out
+
+
 def _lr_lambda(warmup: int, total: int, style: str, min_ratio: float):
     def f(step: int) -> float:
         if warmup and step < warmup:
@@ -122,7 +152,8 @@ class ActorRolloutRefWorker:
         self.clip_low, self.clip_high = arr.actor.clip_range()
         self.policy_loss = algos.get_policy_loss_fn(arr.actor.policy_loss.loss_mode)
         self._progress: tuple = ()
-        self._peaks: dict[str, tuple[float, float]] = {}
+        self._peaks = PeakMemory(self.device)
+        self._phase = self._peaks.phase
 
     def _rollout_engine(self, dtype: torch.dtype):
         r = self.cfg.actor_rollout_ref.rollout
@@ -284,28 +315,10 @@ class ActorRolloutRefWorker:
         metrics.update(self.memory())
         return metrics
 
-    @contextlib.contextmanager
-    def _phase(self, name: str):
-        """Record this rank's peak GPU memory during one phase of the step (nothing on CPU)."""
-        if self.device.type != "cuda":
-            yield
-            return
-        torch.cuda.reset_peak_memory_stats()
-        yield
-        self._peaks[name] = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30)
-
     def memory(self) -> dict[str, float]:
         """Peak GPU memory of this rank in each phase since the last call and over all of them, in GiB:
         perf/max_memory_{allocated,reserved}_gb[/<phase>] (nothing on CPU)."""
-        out: dict[str, float] = {}
-        for name, (allocated, reserved) in self._peaks.items():
-            out[f"perf/max_memory_allocated_gb/{name}"] = allocated
-            out[f"perf/max_memory_reserved_gb/{name}"] = reserved
-        if self._peaks:
-            out["perf/max_memory_allocated_gb"] = max(a for a, _ in self._peaks.values())
-            out["perf/max_memory_reserved_gb"] = max(r for _, r in self._peaks.values())
-        self._peaks = {}
-        return out
+        return self._peaks.take(overall=True)
 
     # ---- checkpoints and export ----
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from backend.critic import CriticWorker, load_value_model
-from backend.rollout import left_pad
+
+from .test_workers import full_params, padded_batch
 
 METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",
            "critic/skipped_steps")
@@ -32,17 +33,6 @@ def one_rank_critic(**extra) -> CriticWorker:
     return CriticWorker(critic_cfg(**extra), 0, 1, "127.0.0.1", port, "cpu", total_steps=4)
 
 
-def padded_batch(tokenizer):
-    """Two rows: a short prompt (left-padded) with a response of 3 tokens and one pad, and a long one."""
-    prompts = [tokenizer("1 + 2 =")["input_ids"], tokenizer("a much longer prompt: 7 - 4 =")["input_ids"]]
-    responses = torch.tensor([[30, 31, 32, tokenizer.pad_token_id], [40, 41, 42, 43]])
-    response_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
-    prompt_ids, prompt_mask = left_pad(prompts, tokenizer.pad_token_id)
-    return prompts, {"input_ids": torch.cat([prompt_ids, responses], 1),
-                     "attention_mask": torch.cat([prompt_mask, response_mask], 1),
-                     "responses": responses, "response_mask": response_mask}
-
-
 def fitting_batch(worker: CriticWorker, tokenizer) -> dict[str, torch.Tensor]:
     """The padded batch with its current values and returns 0.3 away from them (inside the value clip of
     0.5, so the clipped loss keeps a gradient all the way to the returns), garbage on the padding."""
@@ -51,10 +41,6 @@ def fitting_batch(worker: CriticWorker, tokenizer) -> dict[str, torch.Tensor]:
     offset = torch.tensor([[0.3, -0.3, 0.3, 100.0], [-0.3, 0.3, -0.3, 0.3]])
     batch["returns"] = batch["values"] + offset
     return batch
-
-
-def full_params(model) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor().clone() for k, v in model.named_parameters()}
 
 
 def value_error(worker: CriticWorker, batch: dict[str, torch.Tensor]) -> float:
