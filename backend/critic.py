@@ -34,16 +34,13 @@ on the CPU, and every method that runs the model is collective (all ranks, same 
 from __future__ import annotations
 
 import math
-import os
-import socket
 from pathlib import Path
 
-import ray
 import torch
 
 from backend import algos, checkpoint, distributed
 from backend.models import ModelError, resolve_model
-from backend.workers import PeakMemory, _lr_lambda, _micro_batches, _node_ip
+from backend.workers import PeakMemory, RankWorker, _lr_lambda, _micro_batches, _to_device
 
 Batch = dict[str, torch.Tensor]
 
@@ -116,7 +113,7 @@ def response_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     return out.logits[:, -response_len - 1:-1, 0].float()  # (b, R)
 
 
-class CriticWorker:
+class CriticWorker(RankWorker):
     """Rank `rank` of `world_size` of the critic. `device` is "cuda" (the one GPU Ray gave this process)
     or "cpu". `critic_cfg` holds verl's critic.* settings (REQUIRED_KEYS, and OPTIONAL_KEYS with their
     defaults); `total_steps` sizes a cosine schedule."""
@@ -151,17 +148,6 @@ class CriticWorker:
         self._peaks = PeakMemory(self.device)
         self._phase = self._peaks.phase
 
-    # ---- where this worker is, how far it got (read by the controller while a call runs) ----
-
-    @ray.method(concurrency_group="monitor")
-    def where(self) -> dict:
-        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-                "ip": _node_ip(), "device": str(self.device)}
-
-    @ray.method(concurrency_group="monitor")
-    def progress(self) -> tuple:
-        return self._progress
-
     # ---- values ----
 
     @torch.no_grad()
@@ -171,11 +157,11 @@ class CriticWorker:
         self.critic.eval()
         response_len = batch["responses"].shape[1]
         parts = []
+        inputs = _to_device({k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")}, self.device)
         with self._phase("values"):
-            for mb in _micro_batches(batch, self.cfg["ppo_micro_batch_size_per_gpu"]):
-                values = response_values(self.critic, mb["input_ids"].to(self.device),
-                                         mb["attention_mask"].to(self.device), response_len)
-                parts.append(torch.where(mb["response_mask"].to(self.device).bool(), values, 0.0))
+            for mb in _micro_batches(inputs, self.cfg["ppo_micro_batch_size_per_gpu"]):
+                values = response_values(self.critic, mb["input_ids"], mb["attention_mask"], response_len)
+                parts.append(torch.where(mb["response_mask"].bool(), values, 0.0))
             self.critic.reshard()  # FSDP keeps the root's parameters gathered after a forward without backward
         self.critic.train()
         # One copy to the host at the end, so the micro-batches run back to back on the device.
@@ -200,6 +186,7 @@ class CriticWorker:
         n_micro_total = sum(math.ceil(min(mini_rows, total - s) / micro) for s in range(0, total, mini_rows))
         sums: dict[str, float] = {}
         steps = done = skipped = 0
+        batch = _to_device(batch, self.device)
         with self._phase("update_critic"):
             for start in range(0, total, mini_rows):
                 mini = {k: v[start:start + mini_rows] for k, v in batch.items()}
@@ -207,7 +194,6 @@ class CriticWorker:
                 self.optimizer.zero_grad(set_to_none=True)
                 step_metrics: dict[str, torch.Tensor] = {}
                 for mb in _micro_batches(mini, micro):
-                    mb = {k: v.to(self.device) for k, v in mb.items()}
                     vpreds = response_values(self.critic, mb["input_ids"], mb["attention_mask"], response_len)
                     loss, metrics = algos.compute_value_loss(
                         vpreds, mb["returns"], mb["values"], mb["response_mask"],
@@ -242,8 +228,6 @@ class CriticWorker:
         metrics.update(self.memory())
         return metrics
 
-    def _report(self, *state) -> None:
-        self._progress = state
 
     def memory(self) -> dict[str, float]:
         """Peak GPU memory of this rank in each critic phase since the last call, in GiB:

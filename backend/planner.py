@@ -469,7 +469,7 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
             held["critic fp32 shard, AdamW states and gradients"] = 16 * cd.params / W
         m_c = min(cfg.critic.ppo_micro_batch_size_per_gpu, mini_rank)
         critic_gathered = c * (cd.layer_params + cd.root_params)
-        critic_acts = (m_c * T * cd.hidden * c * (cd.layers + act) if cfg.critic.model.enable_gradient_checkpointing
+        critic_acts = (m_c * T * cd.hidden * (c * cd.layers + act) if cfg.critic.model.enable_gradient_checkpointing
                        else m_c * T * cd.layers * cd.hidden * act)
         critic_phases = [Phase("critic update", True, terms={**held, "critic activations": critic_acts,
                                                               "critic gathered layer + root": critic_gathered},

@@ -269,10 +269,9 @@ class Trainer:
             params = SamplingParams(n=arr.rollout.n, temperature=arr.rollout.temperature, top_p=arr.rollout.top_p,
                                     top_k=arr.rollout.top_k, max_new_tokens=cfg.data.max_response_length,
                                     seed=cfg.trainer.seed * 1_000_003 + step, ignore_eos=arr.rollout.ignore_eos)
-            items, batch, scored = self._sample_and_score(params, timings)
+            items, batch, texts, scored = self._sample_and_score(params, timings)
             group_ids = batch.prompt_index
             response_mask = batch.response_mask.float()  # (B, R)
-            texts = self.tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)
             rows = [items[i] for i in group_ids.tolist()]
             scores = torch.tensor(scored.scores, dtype=torch.float32)  # (B,)
             shaping: dict[str, float] = {}
@@ -377,15 +376,17 @@ class Trainer:
         return metrics
 
     def _sample_and_score(self, params: SamplingParams, timings: dict[str, float]
-                          ) -> tuple[list[dict], RolloutBatch, rewards.ScoredBatch]:
-        """The step's prompts, their responses and scores. With algorithm.filter_groups (DAPO's dynamic
-        sampling) a group whose responses all score the same is dropped (its advantages are all 0) and
-        more prompts are drawn, up to max_num_gen_batches rounds, until data.train_batch_size groups are kept."""
+                          ) -> tuple[list[dict], RolloutBatch, list[str], rewards.ScoredBatch]:
+        """The step's prompts, their responses (as tokens and as text) and scores. With
+        algorithm.filter_groups (DAPO's dynamic sampling) a group whose responses all score the same is
+        dropped (its advantages are all 0) and more prompts are drawn, up to max_num_gen_batches rounds,
+        until data.train_batch_size groups are kept."""
         fg = self.cfg.algorithm.filter_groups
         want = self.cfg.data.train_batch_size
         kept_items: list[dict] = []
         kept_batches: list[tuple[RolloutBatch, torch.Tensor]] = []
         kept_scores: list[tuple[rewards.ScoredBatch, list[int]]] = []
+        kept_texts: list[str] = []
         rounds = fg.max_num_gen_batches if fg.enable else 1
         for round_ in range(rounds):
             items = [self.train_set[i] for i in self.sampler.next_batch()]
@@ -396,15 +397,17 @@ class Trainer:
                                               progress=self._generation_stage)
             with timer("reward", timings):
                 self.stage("scoring", force=True)
-                scored = self._score([items[i] for i in batch.prompt_index.tolist()], batch)
+                texts = self._decode(batch)
+                scored = self._score([items[i] for i in batch.prompt_index.tolist()], texts)
             if not fg.enable:
-                return items, batch, scored
+                return items, batch, texts, scored
             keep = algos.groups_with_signal(torch.tensor(scored.scores), batch.prompt_index)
             groups = batch.prompt_index[keep].unique().tolist()[:want - len(kept_items)]
             chosen = torch.nonzero(torch.isin(batch.prompt_index, torch.tensor(groups, dtype=torch.long))).flatten()
             kept_items += [items[g] for g in groups]
             kept_batches.append((batch, chosen))
             kept_scores.append((scored, chosen.tolist()))
+            kept_texts += [texts[i] for i in chosen.tolist()]
             self._filter_stats = {"batch/dynamic_sampling_rounds": round_ + 1, "batch/kept_groups": len(kept_items)}
             if len(kept_items) >= want:
                 break
@@ -412,7 +415,7 @@ class Trainer:
             raise RuntimeError(f"algorithm.filter_groups: every group of {rounds} generation round(s) scored the "
                                "same for all its responses, so no step can learn from them; raise "
                                "algorithm.filter_groups.max_num_gen_batches or rollout.n, or check the reward")
-        return (kept_items, concat_rows(kept_batches, self.tokenizer.pad_token_id),
+        return (kept_items, concat_rows(kept_batches, self.tokenizer.pad_token_id), kept_texts,
                 rewards.concat_scored(kept_scores))
 
     def _greedy_baselines(self, items: list[dict], params: SamplingParams) -> torch.Tensor:
@@ -420,13 +423,15 @@ class Trainer:
         self.stage("generating greedy baselines", force=True)
         greedy = dataclasses.replace(params, n=1, greedy=True)
         batch = self.rollout.generate([it["prompt_ids"] for it in items], greedy)
-        return torch.tensor(self._score(items, batch).scores, dtype=torch.float32)
+        return torch.tensor(self._score(items, self._decode(batch)).scores, dtype=torch.float32)
 
-    def _score(self, rows: list[dict], batch: RolloutBatch) -> rewards.ScoredBatch:
+    def _decode(self, batch: RolloutBatch) -> list[str]:
+        return self.tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)
+
+    def _score(self, rows: list[dict], texts: list[str]) -> rewards.ScoredBatch:
         """Each response's score: the rule scorer (data_source's, or custom_reward_function) times
         reward.rule_weight, plus each of reward.functions and the reward model times its weight."""
         r = self.cfg.reward
-        texts = self.tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)
         args = ([row["data_source"] for row in rows], texts, [row["ground_truth"] for row in rows],
                 [row["extra_info"] for row in rows])
         rule = (rewards.score_batch(*args, custom_fn=self.custom_fn, timeout_s=r.timeout_s) if r.rule_weight

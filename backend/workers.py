@@ -103,7 +103,28 @@ def _lr_lambda(warmup: int, total: int, style: str, min_ratio: float):
     return f
 
 
-class ActorRolloutRefWorker:
+class RankWorker:
+    """What the controller reads of any rank while a call runs: where it is and how far it got. A
+    subclass sets rank, device and _progress."""
+
+    rank: int
+    device: torch.device
+    _progress: tuple = ()
+
+    @ray.method(concurrency_group="monitor")
+    def where(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                "ip": _node_ip(), "device": str(self.device)}
+
+    @ray.method(concurrency_group="monitor")
+    def progress(self) -> tuple:
+        return self._progress
+
+    def _report(self, *state) -> None:
+        self._progress = state
+
+
+class ActorRolloutRefWorker(RankWorker):
     """Rank `rank` of `world_size`. `device` is "cuda" (the one GPU Ray gave this process) or "cpu"."""
 
     def __init__(self, cfg: dict, rank: int, world_size: int, master_addr: str, master_port: int,
@@ -167,20 +188,6 @@ class ActorRolloutRefWorker:
         return decode.StaticCacheEngine(lora.unwrap(self.actor), self.tokenizer, r.generation_batch_size,
                                         self.device, dtype, max_len=max_len, cuda_graphs=not r.enforce_eager,
                                         free_after_generate=r.free_cache_engine)
-
-    # ---- where this worker is, how far it got (read by the controller while a call runs) ----
-
-    @ray.method(concurrency_group="monitor")
-    def where(self) -> dict:
-        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-                "ip": _node_ip(), "device": str(self.device)}
-
-    @ray.method(concurrency_group="monitor")
-    def progress(self) -> tuple:
-        return self._progress
-
-    def _report(self, *state) -> None:
-        self._progress = state
 
     # ---- rollout ----
 

@@ -86,8 +86,15 @@ def main() -> None:
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--small", action="store_true", help="a 2-layer model and 4 x 4 x 16: checks the script on CPU")
     p.add_argument("--out", default=None)
+    p.add_argument("--write-workload", metavar="DIR", default=None,
+                   help="only write the workload model (DIR/model) and prompts (DIR/prompts.parquet)")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for our engine")
     args = p.parse_intermixed_args()
+    if args.write_workload:
+        folder = Path(args.write_workload)
+        build_model(args.tokenizer, folder / "model", args.small)
+        write_prompts(trl_grpo.random_prompts(PROMPTS), folder / "prompts.parquet")
+        return
 
     prompts_n, samples, response = (4, 4, 16) if args.small else (PROMPTS, SAMPLES, RESPONSE)
     work = Path(tempfile.mkdtemp(prefix="grpo-step-"))

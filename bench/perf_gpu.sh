@@ -10,12 +10,7 @@ mkdir -p "$OUT"
 python3 bench/grpo_step.py --tokenizer "$TOK" --steps 4 --out "$OUT/grpo-step.json" > "$OUT/grpo-step.log" 2>&1
 echo "grpo_step rc=$?"
 WL=$(mktemp -d)
-python3 -c "
-import sys; sys.path.insert(0, 'bench')
-import grpo_step, trl_grpo
-from pathlib import Path
-grpo_step.build_model('$TOK', Path('$WL/model'), small=False)
-grpo_step.write_prompts(trl_grpo.random_prompts(64), Path('$WL/prompts.parquet'))"
+python3 bench/grpo_step.py --tokenizer "$TOK" --write-workload "$WL" > /dev/null 2>&1
 python3 bench/reference_step.py configs/default.yaml "actor_rollout_ref.model.path=$WL/model" \
   "data.train_files=[$WL/prompts.parquet]" data.train_batch_size=16 actor_rollout_ref.rollout.n=8 \
   data.max_prompt_length=16 data.max_response_length=256 actor_rollout_ref.actor.ppo_mini_batch_size=16 \

@@ -10,12 +10,7 @@ mkdir -p "$OUT"
 python3 bench/decode_attention_check.py --out "$OUT/decode-attention.json" > "$OUT/decode-attention.log" 2>&1
 echo "decode_attention_check rc=$?"
 WL=$(mktemp -d)
-python3 -c "
-import sys; sys.path.insert(0, 'bench')
-import grpo_step, trl_grpo
-from pathlib import Path
-grpo_step.build_model('$TOK', Path('$WL/model'), small=False)
-grpo_step.write_prompts(trl_grpo.random_prompts(64), Path('$WL/prompts.parquet'))"
+python3 bench/grpo_step.py --tokenizer "$TOK" --write-workload "$WL" > /dev/null 2>&1
 python3 bench/profile_update.py configs/default.yaml "actor_rollout_ref.model.path=$WL/model" \
   "data.train_files=[$WL/prompts.parquet]" data.train_batch_size=64 actor_rollout_ref.rollout.n=8 \
   data.max_prompt_length=16 data.max_response_length=256 actor_rollout_ref.actor.ppo_mini_batch_size=64 \
