@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -64,10 +65,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     from backend.config import load_config
 
     cfg = load_config(None if args.config == "defaults" else args.config, args.overrides)
+    rc, _ = _train(cfg, args.run_dir, quiet=args.quiet)
+    return rc
+
+
+def _train(cfg, run_dir: str | None, *, quiet: bool) -> tuple[int, Path]:
+    """Train `cfg` with the console teed into the run's logs/train.log; (exit code, run directory)."""
     _quiet_transformers()
     from backend.trainer import RunStopped, Trainer
 
-    trainer = Trainer(cfg, args.run_dir, show_progress=not args.quiet)
+    trainer = Trainer(cfg, run_dir, show_progress=not quiet)
     trainer.run.create()
     log = open(trainer.run.logs / "train.log", "a")  # noqa: SIM115 - lives as long as the run
     sys.stdout, sys.stderr = _Tee(sys.__stdout__, log), _Tee(sys.__stderr__, log)
@@ -76,18 +83,47 @@ def cmd_train(args: argparse.Namespace) -> int:
         trainer.train()
     except RunStopped:
         print("run stopped; continue it with trainer.resume_mode=auto", file=sys.stderr)
-        return 3
+        return 3, trainer.run.root
     finally:
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         log.close()
     print(f"done: {trainer.run.root}")
+    return 0, trainer.run.root
+
+
+def cmd_recipe(args: argparse.Namespace) -> int:
+    from backend import recipes
+    from backend.config import load_config
+
+    if args.name == "list":
+        for recipe in recipes.RECIPES.values():
+            print(f"{recipe.name:<16} {recipe.about}  ({recipe.config.relative_to(recipes.CONFIGS_DIR.parent)})")
+        return 0
+    recipe = recipes.get_recipe(args.name)
+    # Validate before making data: a mistyped override must not cost a GSM8K conversion first.
+    load_config(recipe.config, args.overrides)
+    inputs = {"gsm8k_jsonl": args.gsm8k_jsonl, "data_dir": args.data_dir}
+    cfg = load_config(recipe.config, [*recipes.data_overrides(recipe, inputs), *args.overrides])
+    rc, run_dir = _train(cfg, args.run_dir, quiet=args.quiet)
+    if rc == 0:
+        result = recipes.write_report(run_dir, recipe, "python -m backend " + shlex.join(args.argv))
+        print(recipes.summary(result))
+        print(f"report: {run_dir / 'recipe.json'}")
+    return rc
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from backend.plotting import plot_metric
+
+    labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
+    print(plot_metric(args.runs, args.metric, args.out, labels=labels, title=args.title, smooth=args.smooth))
     return 0
 
 
 # ---- plan ----
 
-class _PlanParser(argparse.ArgumentParser):
-    """`plan`'s parser: key=value overrides may also come after the options (`plan c.yaml --gpu l4 data.x=1`)."""
+class _LateOverridesParser(argparse.ArgumentParser):
+    """key=value overrides may also come after the options (`plan c.yaml --gpu l4 data.x=1`)."""
 
     def parse_known_args(self, args=None, namespace=None):
         namespace, rest = super().parse_known_args(args, namespace)
@@ -315,13 +351,35 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train)
 
+    r = sub.add_parser("recipe", help="train a named recipe and report held-out accuracy before and after",
+                       description="Train a recipe (configs/recipes/NAME.yaml) and write <run>/recipe.json with "
+                                   "held-out accuracy before and after, and its curve in <run>/plots/. "
+                                   "`recipe list` names them.")
+    r.__class__ = _LateOverridesParser
+    r.add_argument("name", help="arithmetic, arithmetic-cpu, gsm8k, or list")
+    r.add_argument("overrides", nargs="*", help="e.g. trainer.total_training_steps=40")
+    r.add_argument("--gsm8k-jsonl", default=None, help="gsm8k: GSM8K's train.jsonl (a held-out part is split off)")
+    r.add_argument("--data-dir", default="data", help="where a recipe writes the data it makes (default: data/)")
+    r.add_argument("--run-dir", default=None, help="run directory (default: a new folder under trainer.runs_root)")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.set_defaults(func=cmd_recipe)
+
+    pt = sub.add_parser("plot", help="draw a metric of one or more runs against step into a PNG (or SVG)")
+    pt.add_argument("runs", nargs="+", help="run directories")
+    pt.add_argument("--metric", default="val/accuracy", help="a metrics.jsonl key (default: val/accuracy)")
+    pt.add_argument("--out", required=True, help="image file to write (.png or .svg)")
+    pt.add_argument("--labels", default=None, help="comma-separated legend names, one per run (default: folder names)")
+    pt.add_argument("--title", default=None)
+    pt.add_argument("--smooth", type=int, default=1, help="trailing mean over this many points (default 1: raw)")
+    pt.set_defaults(func=cmd_plot)
+
     from backend.planner import GPUS
 
     pl = sub.add_parser("plan", help="will it fit? peak GPU memory per phase and step time of a config, before launch",
                         description="Predict peak memory per worker in each phase of a training step and the step "
                                     "time; say whether it fits the GPU and what to change if not. Exit code 0: "
                                     "fits, 1: does not fit, 2: the config is not valid.")
-    pl.__class__ = _PlanParser
+    pl.__class__ = _LateOverridesParser
     pl.add_argument("config", help="YAML config file, or `defaults` for the schema defaults (no file)")
     pl.add_argument("overrides", nargs="*", help="e.g. actor_rollout_ref.rollout.n=8")
     pl.add_argument("--gpu", default=None, choices=list(GPUS),
@@ -399,12 +457,16 @@ def main(argv: list[str] | None = None) -> int:
     from backend.data import DataError
     from backend.interop import InteropError
     from backend.models import ModelError
+    from backend.plotting import PlotError
+    from backend.recipes import RecipeError
     from backend.rewards import RewardError
 
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
-    except (ConfigError, DataError, InteropError, ModelError, RewardError) as e:
+    except (ConfigError, DataError, InteropError, ModelError, PlotError, RecipeError, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

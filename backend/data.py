@@ -51,7 +51,9 @@ GSM8K_DATA_SOURCE = "openai/gsm8k"
 # verl's GSM8K preprocessing instruction, so rewards and numbers compare with verl runs.
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 ARITHMETIC_DATA_SOURCE = "arithmetic"
-ARITHMETIC_INSTRUCTION = "Answer with the final number after '####', for example: #### 7"
+# No example number in the instruction: with "for example: #### 7" SmolLM2-135M-Instruct wrote "#### 7" after
+# most of its (often right) working, 12.5% greedy accuracy on 64 val problems against 23% without it.
+ARITHMETIC_INSTRUCTION = "Give the final number after '####'."
 
 ALLOWED_ROLES = ("system", "user", "assistant", "tool")
 TRUNCATION_MODES = ("error", "left", "right")

@@ -25,6 +25,10 @@ _PRESETS: dict[str, str | None] = {
     "GRPO on the arithmetic sample": "default.yaml",
     "GSM8K GRPO": "gsm8k_grpo.yaml",
     "Dr.GRPO": "drgrpo.yaml",
+    # The recipes of `python -m backend recipe` (docs/results.md); the GSM8K one needs its data made first.
+    "Recipe: arithmetic, one GPU": "recipes/arithmetic.yaml",
+    "Recipe: arithmetic, CPU (about 15 min)": "recipes/arithmetic-cpu.yaml",
+    "Recipe: GSM8K, one GPU": "recipes/gsm8k.yaml",
     "blank": None,
 }
 

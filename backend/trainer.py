@@ -186,16 +186,18 @@ class Trainer:
                 self.export(self.run.export)
             self.run.write_status("succeeded", stage="done", step=self._step, finished=time.time())
             return metrics
-        except (RunStopped, KeyboardInterrupt) as e:
+        except BaseException as e:
+            if not _stopped(e):
+                self._record_failure(e)
+                raise
             lost = self.workers.head.lost if self._ready else None
             if lost is None:
                 self.run.write_status("stopped", stage="stopped", finished=time.time())
-                raise
+                if isinstance(e, RunStopped | KeyboardInterrupt):
+                    raise
+                raise RunStopped(str(e.__cause__)) from e
             self._record_failure(WorkerError(lost))
             raise WorkerError(lost) from e
-        except BaseException as e:
-            self._record_failure(e)
-            raise
         finally:
             stop()
             self.tracking.close()
@@ -657,6 +659,16 @@ def _install_stop_handlers():
     except ValueError:  # not the main thread (e.g. a UI test harness): nothing to install
         return lambda: None
     return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def _stopped(e: BaseException) -> bool:
+    """A stop signal or Ctrl-C, also when it arrived inside a C extension's call (Ray's wait), which
+    reports it as a SystemError caused by the handler's RunStopped."""
+    while e is not None:
+        if isinstance(e, RunStopped | KeyboardInterrupt):
+            return True
+        e = e.__cause__
+    return False
 
 
 def _alive(pid: int | None) -> bool:

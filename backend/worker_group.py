@@ -287,21 +287,8 @@ class WorkerGroup:
         """The PPO update over `epochs` passes of mini-batches of `mini_rows` responses (reshuffled each
         pass when `shuffle`, from the torch RNG the trainer seeds per step). Every mini-batch is split
         evenly across the ranks, so the optimizer steps are the same for any number of ranks."""
-        args = self._update_args(batch, mini_rows, epochs, shuffle)
+        args = update_shards(batch, mini_rows, epochs, shuffle, self.world_size)
         return _merge(self._each("update_actor", args, "the actor update", progress))
-
-    def _update_args(self, batch: Batch, mini_rows: int, epochs: int, shuffle: bool) -> list[tuple[Batch, int]]:
-        """Each rank's rows of an update, in order, and its rows per mini-batch."""
-        total = batch["responses"].shape[0]
-        local_rows = mini_rows // self.world_size
-        per_rank: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
-        for _ in range(epochs):
-            order = torch.randperm(total) if shuffle else torch.arange(total)
-            for m in range(total // mini_rows):
-                mini = order[m * mini_rows:(m + 1) * mini_rows]
-                for r in range(self.world_size):
-                    per_rank[r].append(mini[r * local_rows:(r + 1) * local_rows])
-        return [({k: v[torch.cat(idx)] for k, v in batch.items()}, local_rows) for idx in per_rank]
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """(B, R) critic values of the state before each response token, rows split evenly over the ranks."""
@@ -320,7 +307,7 @@ class WorkerGroup:
     def update_critic(self, batch: Batch, mini_rows: int, epochs: int, shuffle: bool) -> dict[str, float]:
         """The value-model update, in mini-batches of `mini_rows` responses split evenly across the ranks,
         as `update_actor` does."""
-        args = self._update_args(batch, mini_rows, epochs, shuffle)
+        args = update_shards(batch, mini_rows, epochs, shuffle, self.world_size)
         refs = [c.update_critic.remote(*a) for c, a in zip(self.critics, args, strict=True)]
         return _merge(self._run(refs, "the critic update"))
 
@@ -365,6 +352,27 @@ def _stop(workers: list, placement) -> None:
     for w in workers:
         ray.kill(w, no_restart=True)
     ray.util.remove_placement_group(placement)
+
+
+def update_shards(batch: Batch, mini_rows: int, epochs: int, shuffle: bool, world_size: int
+                  ) -> list[tuple[Batch, int]]:
+    """Each rank's rows of an update, in optimizer-step order, and its rows per mini-batch.
+
+    `epochs` passes over the batch (a new permutation per pass when `shuffle`) in mini-batches of
+    `mini_rows`; rank r gets part r of every mini-batch. A batch smaller than one mini-batch (DAPO's
+    dynamic sampling may keep fewer groups after its last round) is one smaller optimizer step, not none.
+    """
+    total = batch["responses"].shape[0]
+    mini_rows = min(mini_rows, max(total - total % world_size, world_size))
+    local_rows = mini_rows // world_size
+    per_rank: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+    for _ in range(epochs):
+        order = torch.randperm(total) if shuffle else torch.arange(total)
+        for m in range(total // mini_rows):
+            mini = order[m * mini_rows:(m + 1) * mini_rows]
+            for r in range(world_size):
+                per_rank[r].append(mini[r * local_rows:(r + 1) * local_rows])
+    return [({k: v[torch.cat(idx)] for k, v in batch.items()}, local_rows) for idx in per_rank]
 
 
 def _merge(results: list[dict[str, float]]) -> dict[str, float]:

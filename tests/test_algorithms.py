@@ -163,3 +163,16 @@ def test_a_reward_model_alone_scores_each_response_as_the_model_does(tmp_path, s
                     for t in texts]
     assert table["reward_reward_model"].tolist() == pytest.approx(expected, abs=1e-4)
     assert table["reward"].tolist() == pytest.approx([2 * e for e in expected], abs=2e-4)
+
+
+def test_a_batch_smaller_than_a_mini_batch_is_one_smaller_optimizer_step_split_evenly_over_ranks():
+    # DAPO's dynamic sampling may end its last round with fewer kept groups than a mini-batch holds; a
+    # dry run of bench/learning_gpu.sh crashed on the empty update this used to make.
+    from backend.worker_group import update_shards
+
+    batch = {"responses": torch.arange(12).view(6, 2), "advantages": torch.arange(6.0)}
+    shards = update_shards(batch, mini_rows=16, epochs=1, shuffle=False, world_size=2)
+    assert [local for _, local in shards] == [3, 3]
+    assert shards[0][0]["advantages"].tolist() == [0, 1, 2] and shards[1][0]["advantages"].tolist() == [3, 4, 5]
+    full = update_shards(batch, mini_rows=2, epochs=2, shuffle=False, world_size=2)
+    assert full[0][0]["advantages"].tolist() == [0, 2, 4, 0, 2, 4] and [lr for _, lr in full] == [1, 1]

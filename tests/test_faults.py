@@ -198,3 +198,16 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_whole
     launcher.resume(run_dir)
     wait_for(lambda: (read_status(run_dir) or {}).get("state") == "succeeded")
     assert_same_run(straight_run, run_dir)
+
+
+def test_a_stop_signal_landing_inside_rays_wait_still_counts_as_a_stop_not_a_failure():
+    # Seen when a stop arrived during ray.wait: Ray's C extension reports the handler's RunStopped as
+    # "SystemError: ... returned a result with an exception set", caused by it; the run was marked failed.
+    from backend.trainer import RunStopped, _stopped
+
+    inside_c = SystemError("<cyfunction CoreWorker.wait> returned a result with an exception set")
+    inside_c.__cause__ = RunStopped("received signal 15")
+    assert _stopped(inside_c) and _stopped(RunStopped("x")) and _stopped(KeyboardInterrupt())
+    other = SystemError("a real failure")
+    other.__cause__ = ValueError("bad")
+    assert not _stopped(other) and not _stopped(SystemError("no cause"))

@@ -30,7 +30,8 @@ def home(tmp_path, monkeypatch):
 def test_every_preset_loads_and_validates():
     # data files that do not exist (GSM8K's) are not the schema's business: only preflight checks them
     names = list(presets.list_presets())
-    assert names == ["GRPO on the arithmetic sample", "GSM8K GRPO", "Dr.GRPO", "blank"]
+    assert names == ["GRPO on the arithmetic sample", "GSM8K GRPO", "Dr.GRPO", "Recipe: arithmetic, one GPU",
+                     "Recipe: arithmetic, CPU (about 15 min)", "Recipe: GSM8K, one GPU", "blank"]
     for name, path in presets.list_presets().items():
         cfg, problems = C.config_from_yaml_text(presets.preset_yaml_text(name))
         assert problems == [], name
