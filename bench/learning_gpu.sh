@@ -3,8 +3,8 @@
 # commands. Run directories go to /tmp/learning-runs; their small files (metrics, status, config, report,
 # plots, logs, rollouts) are copied to OUT, the weights are not.
 #   bash bench/learning_gpu.sh compare <gsm8k train.jsonl> <OUT> [seconds]
-#       five runs at once on the one GPU, stopped after [seconds] (default 500): the arithmetic recipe with
-#       GRPO, PPO (critic + GAE), RLOO and DAPO, and the GSM8K recipe.
+#       six runs at once on the one GPU, stopped after [seconds] (default 500): the arithmetic recipe with
+#       GRPO (at its learning rate and at 1e-5), PPO (critic + GAE), RLOO and DAPO, and the GSM8K recipe.
 #   bash bench/learning_gpu.sh solo <OUT>
 #       the arithmetic recipe alone (its time is the recipe's time), the export loaded by plain
 #       transformers, then the LoRA memory record.
@@ -36,6 +36,7 @@ if [ "$MODE" = compare ]; then
   GSM8K=$2 OUT=$3 LIMIT=${4:-500}
   NO_EXPORT=(trainer.export_at_end=false trainer.total_training_steps=400)
   recipe arithmetic grpo "${NO_EXPORT[@]}"
+  recipe arithmetic grpo-lr1e-5 actor_rollout_ref.actor.optim.lr=1e-5 "${NO_EXPORT[@]}"
   recipe arithmetic ppo algorithm.adv_estimator=gae "${NO_EXPORT[@]}"
   recipe arithmetic rloo algorithm.adv_estimator=rloo "${NO_EXPORT[@]}"
   # DAPO as its paper runs it: clip-higher, token-mean loss (the recipe's), dynamic sampling, overlong
@@ -44,12 +45,13 @@ if [ "$MODE" = compare ]; then
     reward.overlong_buffer.enable=true reward.overlong_buffer.len=64 actor_rollout_ref.actor.use_kl_loss=false \
     "${NO_EXPORT[@]}"
   recipe gsm8k gsm8k --gsm8k-jsonl "$GSM8K" --data-dir /tmp/learning-data "${NO_EXPORT[@]}"
-  sleep "$LIMIT"
+  sleep $((LIMIT / 2))
+  nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+  sleep $((LIMIT - LIMIT / 2))
   # SIGTERM: each run stops between steps and records `stopped`; metrics up to there are whole.
   pkill -TERM -f "backend recipe" ; sleep 15
   collect "$OUT"
   cp "$RUNS"/*.log "$OUT/runs/" 2>/dev/null
-  nvidia-smi --query-gpu=name,memory.used --format=csv > "$OUT/nvidia-smi.txt"
 elif [ "$MODE" = solo ]; then
   OUT=$2
   python3 -m backend recipe arithmetic --run-dir "$RUNS/arithmetic" --quiet > "$RUNS/arithmetic.log" 2>&1
