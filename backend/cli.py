@@ -115,8 +115,8 @@ def cmd_recipe(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from backend.plotting import plot_metric
 
-    labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
-    print(plot_metric(args.runs, args.metric, args.out, labels=labels, title=args.title, smooth=args.smooth))
+    print(plot_metric(args.runs, args.metric, args.out, labels=args.label, title=args.title, smooth=args.smooth,
+                      max_step=args.max_step))
     return 0
 
 
@@ -368,9 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("runs", nargs="+", help="run directories")
     pt.add_argument("--metric", default="val/accuracy", help="a metrics.jsonl key (default: val/accuracy)")
     pt.add_argument("--out", required=True, help="image file to write (.png or .svg)")
-    pt.add_argument("--labels", default=None, help="comma-separated legend names, one per run (default: folder names)")
+    pt.add_argument("--label", action="append", default=None,
+                    help="legend name of a run; give it once per run, in order (default: folder names)")
     pt.add_argument("--title", default=None)
     pt.add_argument("--smooth", type=int, default=1, help="trailing mean over this many points (default 1: raw)")
+    pt.add_argument("--max-step", type=int, default=None, help="draw steps up to this one only (compare runs of "
+                                                                 "different lengths over the same steps)")
     pt.set_defaults(func=cmd_plot)
 
     from backend.planner import GPUS

@@ -42,10 +42,11 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 def plot_metric(runs: Sequence[str | Path], metric: str, out: str | Path, *,
                 labels: Sequence[str] | None = None, title: str | None = None,
-                smooth: int = 1) -> Path:
+                smooth: int = 1, max_step: int | None = None) -> Path:
     """Draw `metric` against step for each run into `out` (PNG, or SVG by its suffix) and return it.
 
-    `smooth` > 1 draws a trailing mean over that many logged points, with the raw values faint behind.
+    `smooth` > 1 draws a trailing mean over that many logged points, with the raw values faint behind;
+    `max_step` cuts every run there, so runs of different lengths compare over the same steps.
     Raises PlotError when a run directory has no metrics.jsonl or no run logged the metric."""
     import matplotlib
 
@@ -62,12 +63,16 @@ def plot_metric(runs: Sequence[str | Path], metric: str, out: str | Path, *,
         if not (Path(run) / "metrics.jsonl").is_file():
             raise PlotError(f"{run} has no metrics.jsonl: point at a run directory (runs/<id>)")
         steps, values = series(run, metric)
+        if max_step is not None:
+            values = [v for s, v in zip(steps, values, strict=True) if s <= max_step]
+            steps = steps[:len(values)]
         if steps:
             drawn.append((label, steps, values))
     if not drawn:
         known = sorted({k for r in runs for line in read_metrics(r) for k in line if k != "step"})
         hint = ", ".join(k for k in known if "/" in k and not k.startswith(("timing_s", "perf"))) or "none"
-        raise PlotError(f"no run logged {metric!r}; metrics these runs have: {hint}")
+        upto = f" up to step {max_step}" if max_step is not None else ""
+        raise PlotError(f"no run logged {metric!r}{upto}; metrics these runs have: {hint}")
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     for label, steps, values in drawn:

@@ -90,11 +90,19 @@ def test_series_takes_the_later_line_of_a_step_logged_twice_and_skips_steps_with
     assert plotting.series(tmp_path / "r", "a/b") == ([1, 3], [0.1, 0.35])
 
 
+def test_max_step_cuts_every_run_at_the_same_step(tmp_path):
+    write_metrics(tmp_path / "long", [{"step": s, "m/x": 1.0} for s in range(1, 50)])
+    write_metrics(tmp_path / "late", [{"step": s, "m/x": 1.0} for s in range(40, 50)])
+    plotting.plot_metric([tmp_path / "long"], "m/x", tmp_path / "ok.png", max_step=10)
+    with pytest.raises(plotting.PlotError, match="no run logged 'm/x' up to step 10"):
+        plotting.plot_metric([tmp_path / "late"], "m/x", tmp_path / "none.png", max_step=10)
+
+
 def test_plot_draws_one_line_per_run_and_names_the_metrics_that_exist(tmp_path):
     write_metrics(tmp_path / "grpo", [{"step": s, "val/accuracy": s / 10} for s in range(5)])
     write_metrics(tmp_path / "ppo", [{"step": s, "val/accuracy": s / 20, "critic/vf_loss": 1.0} for s in range(5)])
     out = tmp_path / "docs/acc.png"
-    result = cli("plot", str(tmp_path / "grpo"), str(tmp_path / "ppo"), "--labels", "GRPO,PPO", "--smooth", "2",
+    result = cli("plot", str(tmp_path / "grpo"), str(tmp_path / "ppo"), "--label", "GRPO, lr 1e-5", "--label", "PPO", "--smooth", "2",
                  "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert png_size(out)[0] > 400
