@@ -102,8 +102,8 @@ def test_plot_draws_one_line_per_run_and_names_the_metrics_that_exist(tmp_path):
     write_metrics(tmp_path / "grpo", [{"step": s, "val/accuracy": s / 10} for s in range(5)])
     write_metrics(tmp_path / "ppo", [{"step": s, "val/accuracy": s / 20, "critic/vf_loss": 1.0} for s in range(5)])
     out = tmp_path / "docs/acc.png"
-    result = cli("plot", str(tmp_path / "grpo"), str(tmp_path / "ppo"), "--label", "GRPO, lr 1e-5", "--label", "PPO", "--smooth", "2",
-                 "--out", str(out))
+    result = cli("plot", str(tmp_path / "grpo"), str(tmp_path / "ppo"), "--label", "GRPO, lr 1e-5", "--label", "PPO",
+                 "--smooth", "2", "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert png_size(out)[0] > 400
     missing = cli("plot", str(tmp_path / "grpo"), "--metric", "reward/mean", "--out", str(tmp_path / "x.png"))
