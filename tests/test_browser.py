@@ -115,11 +115,11 @@ def browser():
         b.close()
 
 
-def open_page(browser, url: str):
+def open_page(browser, url: str, timeout_s: float = 60):
     """A new browser context on the workbench, once its page navigation has drawn."""
     context = browser.new_context(viewport={"width": 1400, "height": 2200})
     pg = context.new_page()
-    pg.set_default_timeout(60_000)
+    pg.set_default_timeout(timeout_s * 1000)
     pg.goto(url)
     pg.wait_for_selector("[data-testid='stSidebarNav']")
     return pg
@@ -384,7 +384,9 @@ def test_eight_runs_launched_at_once_all_finish_while_four_tabs_watch_them(brows
             launch_from_runs_page(page, f"load-{i}")
         runs = launcher.list_runs(home / "runs")
         assert len(runs) == 8
-        tabs = [open_page(browser, url) for _ in range(4)]
+        # Page times are the report here, not the verdict: a first paint while 8 runs start their Rays on
+        # 2 cores once took over 60 s (issue 9's open UI-under-load problem).
+        tabs = [open_page(browser, url, timeout_s=300) for _ in range(4)]
         deadline = time.time() + 900
         while time.time() < deadline:
             for tab, run in zip(tabs, runs[::2], strict=False):
