@@ -325,6 +325,12 @@ def cmd_config_to_verl(args: argparse.Namespace) -> int:
 
 # ---- parser ----
 
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """The options of every command that trains: where the run goes, and whether to draw a progress bar."""
+    p.add_argument("--run-dir", default=None, help="run directory (default: a new folder under trainer.runs_root)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m backend", description="GRPO Workbench engine")
     p.add_argument("--version", action="version", version=f"grpo-workbench {_version()}")
@@ -347,8 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train from a YAML config plus key.path=value overrides")
     t.add_argument("config", help="YAML config file, or `defaults` for the schema defaults (no file)")
     t.add_argument("overrides", nargs="*", help="e.g. actor_rollout_ref.rollout.n=8")
-    t.add_argument("--run-dir", default=None, help="run directory (default: a new folder under trainer.runs_root)")
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_run_options(t)
     t.set_defaults(func=cmd_train)
 
     r = sub.add_parser("recipe", help="train a named recipe and report held-out accuracy before and after",
@@ -360,8 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("overrides", nargs="*", help="e.g. trainer.total_training_steps=40")
     r.add_argument("--gsm8k-jsonl", default=None, help="gsm8k: GSM8K's train.jsonl (a held-out part is split off)")
     r.add_argument("--data-dir", default="data", help="where a recipe writes the data it makes (default: data/)")
-    r.add_argument("--run-dir", default=None, help="run directory (default: a new folder under trainer.runs_root)")
-    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_run_options(r)
     r.set_defaults(func=cmd_recipe)
 
     pt = sub.add_parser("plot", help="draw a metric of one or more runs against step into a PNG (or SVG)")
