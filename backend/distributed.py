@@ -94,7 +94,9 @@ def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 @contextmanager
 def unsharded(model: torch.nn.Module) -> Iterator[None]:
-    """All parameters gathered for the duration (generation), and sharded again after.
+    """All parameters gathered for the duration, kept through every forward and backward, and sharded
+    again after (which drops the gathered copies: an optimizer step must come after this context, since
+    it changes only the shards).
 
     While gathered, forward passes run no collectives, so ranks may take different numbers of decoding
     steps (their responses end at different lengths) without waiting for each other.
@@ -103,12 +105,24 @@ def unsharded(model: torch.nn.Module) -> Iterator[None]:
     for m in modules:
         m.unshard()
         m.set_reshard_after_forward(False, recurse=False)
+        m.set_reshard_after_backward(False, recurse=False)
     try:
         yield
     finally:
         for m in modules:
             m.set_reshard_after_forward(True, recurse=False)
+            m.set_reshard_after_backward(True, recurse=False)
             m.reshard()
+
+
+def gathers_once(world_size: int, offload: bool) -> bool:
+    """Whether a phase (log-probs, one mini-batch of the update) should gather the model once instead of
+    layer by layer. On one rank a shard is the whole layer, so sharding saves no memory and only costs
+    time: each micro-batch's forward and backward would cast and copy every layer's weights again (and
+    reduce its gradients), host work that left the GPU idle between kernels. It costs the gathered copy
+    (2P bytes in bf16) and, in the update, unreduced fp32 gradients (4P) until the last micro-batch.
+    Offloaded parameters stay layer by layer: gathering them all would undo the offload."""
+    return world_size == 1 and not offload
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -166,6 +166,8 @@ class ActorRolloutRefWorker(RankWorker):
             distributed.shard_model(self.ref, self.device, dtype, offload=arr.ref.fsdp_config.offload_policy,
                                     compile_layers=compile_layers)
 
+        self.gather_once = distributed.gathers_once(world_size, arr.actor.fsdp_config.offload_policy)
+        self.ref_gather_once = distributed.gathers_once(world_size, arr.ref.fsdp_config.offload_policy)
         self.tokenizer = load_tokenizer(arr.model.path, arr.model.tokenizer_path)
         self.rollout = self._rollout_engine(dtype)
         self.temperature = arr.rollout.temperature
@@ -188,6 +190,12 @@ class ActorRolloutRefWorker(RankWorker):
         return decode.StaticCacheEngine(lora.unwrap(self.actor), self.tokenizer, r.generation_batch_size,
                                         self.device, dtype, max_len=max_len, cuda_graphs=not r.enforce_eager,
                                         free_after_generate=r.free_cache_engine)
+
+    @staticmethod
+    def _gathered(model, once: bool):
+        """The model gathered once for a whole phase when `once` (distributed.gathers_once), else FSDP's
+        gather and free around each layer."""
+        return distributed.unsharded(model) if once else contextlib.nullcontext()
 
     # ---- rollout ----
 
@@ -220,7 +228,7 @@ class ActorRolloutRefWorker(RankWorker):
         micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
         lps, ents = [], []
         inputs = _to_device({k: batch[k] for k in ("input_ids", "attention_mask")}, self.device)
-        with self._phase("old_log_prob"):
+        with self._phase("old_log_prob"), self._gathered(self.actor, self.gather_once):
             for mb in _micro_batches(inputs, micro):
                 lp, ent = response_log_probs(self.actor, mb["input_ids"], mb["attention_mask"],
                                              batch["responses"].shape[1], self.temperature, with_entropy=True,
@@ -238,7 +246,9 @@ class ActorRolloutRefWorker(RankWorker):
         micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
         inputs = _to_device({k: batch[k] for k in ("input_ids", "attention_mask")}, self.device)
         model = self.ref if self.ref is not None else self.actor
-        with self._phase("ref"), (lora.reference_mode(self.actor) if self.ref is None else contextlib.nullcontext()):
+        reference = lora.reference_mode(self.actor) if self.ref is None else contextlib.nullcontext()
+        gathered = self._gathered(model, self.ref_gather_once if self.ref is not None else self.gather_once)
+        with self._phase("ref"), reference, gathered:
             parts = [response_log_probs(model, mb["input_ids"], mb["attention_mask"], batch["responses"].shape[1],
                                         self.temperature, compiled=self.compiled)[0]
                      for mb in _micro_batches(inputs, micro)]
@@ -277,34 +287,40 @@ class ActorRolloutRefWorker(RankWorker):
             for start in range(0, total, mini_rows):
                 mini = {k: v[start:start + mini_rows] for k, v in batch.items()}
                 self.optimizer.zero_grad(set_to_none=True)
-                for mb in _micro_batches(mini, a.ppo_micro_batch_size_per_gpu):
-                    mask = mb["response_mask"].float()
-                    log_probs, entropy = response_log_probs(
-                        self.actor, mb["input_ids"], mb["attention_mask"], response_len, self.temperature,
-                        with_entropy=True, entropy_grad=a.entropy_coeff > 0, compiled=self.compiled)
-                    old = mb.get("old_log_probs", log_probs.detach())
-                    pg_loss, pg_metrics = self.policy_loss(
-                        old, log_probs, mb["advantages"], mask, clip_ratio_low=self.clip_low,
-                        clip_ratio_high=self.clip_high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode)
-                    loss = pg_loss
-                    entropy_loss = algos.agg_loss(entropy, mask, a.loss_agg_mode)
-                    if a.entropy_coeff:
-                        loss = loss - a.entropy_coeff * entropy_loss
-                    if a.use_kl_loss:
-                        kl = algos.kl_penalty(log_probs, mb["ref_log_probs"], a.kl_loss_type)
-                        kl_loss = algos.agg_loss(kl, mask, a.loss_agg_mode)
-                        loss = loss + a.kl_loss_coef * kl_loss
-                        add("actor/kl_loss", kl_loss.detach())
-                        add("actor/kl_coef", a.kl_loss_coef)
-                    # Each micro-batch's mean is weighted by its share of the mini-batch, so the
-                    # accumulated gradient is that of the mini-batch's mean loss.
-                    (loss * mb["responses"].shape[0] / mini["responses"].shape[0]).backward()
-                    add("actor/pg_loss", pg_loss.detach())
-                    add("actor/entropy", entropy_loss.detach())
-                    for k, v in pg_metrics.items():
-                        add(k, v)
-                    done += 1
-                    self._report("the actor update", done, n_micro_total)
+                n_micro = math.ceil(mini["responses"].shape[0] / a.ppo_micro_batch_size_per_gpu)
+                with self._gathered(self.actor, self.gather_once):
+                    for i, mb in enumerate(_micro_batches(mini, a.ppo_micro_batch_size_per_gpu)):
+                        if self.gather_once:
+                            # Unreduced gradients accumulate in fp32 (FSDP's reduce dtype) until the last
+                            # micro-batch reduces them into the shards once.
+                            self.actor.set_requires_gradient_sync(i == n_micro - 1)
+                        mask = mb["response_mask"].float()
+                        log_probs, entropy = response_log_probs(
+                            self.actor, mb["input_ids"], mb["attention_mask"], response_len, self.temperature,
+                            with_entropy=True, entropy_grad=a.entropy_coeff > 0, compiled=self.compiled)
+                        old = mb.get("old_log_probs", log_probs.detach())
+                        pg_loss, pg_metrics = self.policy_loss(
+                            old, log_probs, mb["advantages"], mask, clip_ratio_low=self.clip_low,
+                            clip_ratio_high=self.clip_high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode)
+                        loss = pg_loss
+                        entropy_loss = algos.agg_loss(entropy, mask, a.loss_agg_mode)
+                        if a.entropy_coeff:
+                            loss = loss - a.entropy_coeff * entropy_loss
+                        if a.use_kl_loss:
+                            kl = algos.kl_penalty(log_probs, mb["ref_log_probs"], a.kl_loss_type)
+                            kl_loss = algos.agg_loss(kl, mask, a.loss_agg_mode)
+                            loss = loss + a.kl_loss_coef * kl_loss
+                            add("actor/kl_loss", kl_loss.detach())
+                            add("actor/kl_coef", a.kl_loss_coef)
+                        # Each micro-batch's mean is weighted by its share of the mini-batch, so the
+                        # accumulated gradient is that of the mini-batch's mean loss.
+                        (loss * mb["responses"].shape[0] / mini["responses"].shape[0]).backward()
+                        add("actor/pg_loss", pg_loss.detach())
+                        add("actor/entropy", entropy_loss.detach())
+                        for k, v in pg_metrics.items():
+                            add(k, v)
+                        done += 1
+                        self._report("the actor update", done, n_micro_total)
                 grad_norm = distributed.global_grad_norm(self.actor.parameters(), a.grad_clip)
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()

@@ -74,6 +74,34 @@ def test_one_update_changes_every_trainable_parameter_and_not_the_reference(samp
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
 
 
+def test_gathering_once_per_phase_on_one_rank_updates_exactly_as_gathering_layer_by_layer(sample_sets, tiny_tokenizer):
+    """One rank keeps the model gathered through a mini-batch and reduces gradients at its last micro-batch
+    only; the weights, metrics and the log-probs after the optimizer step (which must see the new weights,
+    not a stale gathered copy) are those of FSDP's usual gather and free around each layer."""
+    cfg = load_config(None, tiny_overrides(sample_sets, **{"actor_rollout_ref.actor.ppo_mini_batch_size": 1,
+                                                          "actor_rollout_ref.rollout.n": 2,
+                                                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1}))
+    once, layerwise = one_rank_worker(cfg), one_rank_worker(cfg)
+    assert once.gather_once
+    layerwise.gather_once = layerwise.ref_gather_once = False
+    _, batch = padded_batch(tiny_tokenizer)
+    batch = {k: torch.cat([v, v.flip(0)]) for k, v in batch.items()}  # 4 rows: 2 optimizer steps of 2 micro-batches
+    batch["advantages"] = torch.tensor([[1.0, 1.0, 1.0, 0.0], [-1.0, -1.0, -1.0, -1.0],
+                                        [0.5, 0.5, 0.5, 0.5], [-2.0, -2.0, -2.0, 0.0]])
+    results = []
+    for worker in (once, layerwise):
+        batch["ref_log_probs"] = worker.compute_ref_log_prob(batch)
+        metrics = worker.update_actor(dict(batch), mini_rows=2)
+        results.append((full_params(worker.actor), metrics, worker.compute_log_prob(batch)[0]))
+    (params_a, metrics_a, lp_a), (params_b, metrics_b, lp_b) = results
+    for k in params_a:
+        torch.testing.assert_close(params_a[k], params_b[k], atol=1e-6, rtol=1e-5)
+    for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
+        assert abs(metrics_a[k] - metrics_b[k]) <= 1e-5 * max(1.0, abs(metrics_b[k])), k
+    torch.testing.assert_close(lp_a, lp_b, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(lp_a, batch["ref_log_probs"])  # the update moved them
+
+
 def test_actor_log_probs_match_the_reference_before_any_update(sample_sets, tiny_tokenizer):
     worker = one_rank_worker(load_config(None, tiny_overrides(sample_sets)))
     _, batch = padded_batch(tiny_tokenizer)
