@@ -11,12 +11,14 @@ decoder layer P_layer, embeddings + final norm + head P_root), c bytes a value i
     update)               + cP the rollout engine's own copy of the weights (engine auto/workbench; hf has none)
     generation            KV cache Bg*T*L*2*Hkv*D*c + sampling Bg*V*18 + cP gathered weights
                           (Bg = min(generation_batch_size, rows per rank))
-    old / ref log-prob    gathered layer and root c*(P_layer + P_root) + logits m*(R+1)*V*c + the fp32
+    old / ref log-prob    gathered weights G + logits m*(R+1)*V*c + the fp32
                           log-softmax of one chunk of K = 2048 positions K*V*8 (old, with entropy: *16)
                           + activations m*T*H*c*4                      (m: that pass's micro-batch)
     update                activations kept for backward m*T*L*H*A (gradient checkpointing: the layer inputs
                           m*T*H*c*L + one layer's m*T*H*A) + logits and their gradient 2*m*(R+1)*V*c
-                          + one chunk's fp32 log-softmax and entropy K*V*16 + the gathered layer and root
+                          + one chunk's fp32 log-softmax and entropy K*V*16 + the gathered weights G
+                          (G = cP on one rank, which gathers the model once a phase; c*(P_layer + P_root),
+                          a layer at a time, on more ranks or offloaded)
     reserved              allocated x fragmentation + CUDA context and workspaces
 
 Step time: each decode step reads the engine's weights and, on average, half the KV cache at the GPU's
@@ -38,6 +40,7 @@ from typing import Any
 
 from backend.algos import LOG_PROB_CHUNK_TOKENS
 from backend.config import Config, ConfigError, batch_plan, uses_critic, validate_config, yaml_value
+from backend.distributed import gathers_once
 from backend.models import ModelError
 
 GiB = 2**30
@@ -407,7 +410,10 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
     host_per_worker = (16 * P / W if offload else 0.0) + (c * P / W if has_ref and ref_offload and not lora_rank
                                                           else 0.0)
 
-    gathered = c * (dims.layer_params + dims.root_params)
+    # One rank gathers the whole model once per phase (distributed.gathers_once); more gather a layer at a time.
+    layerwise = c * (dims.layer_params + dims.root_params)
+    gathered = c * P if gathers_once(W, offload) else layerwise
+    ref_gathered = c * P if gathers_once(W, ref_offload) else layerwise
 
     # The vocabulary pass (algos.token_log_probs) works a chunk of rows at a time. Compiled (GPUs with
     # actor.use_torch_compile) it is fused and writes no fp32 copy; eager, one chunk's fp32 temporaries live.
@@ -417,8 +423,8 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
     def chunk_term(m: int, bytes_per_entry: int) -> dict[str, float]:
         return {} if fused else {"fp32 vocabulary pass of one chunk": min(m * R, chunk_tokens) * V * bytes_per_entry}
 
-    def forward_terms(m: int, entropy: bool) -> dict[str, float]:
-        return {"gathered layer + root": gathered, "logits": m * R * V * c, **chunk_term(m, 16 if entropy else 8),
+    def forward_terms(m: int, entropy: bool, gathered: float = gathered) -> dict[str, float]:
+        return {"gathered weights": gathered, "logits": m * R * V * c, **chunk_term(m, 16 if entropy else 8),
                 "activations": m * T * H * c * cal["logprob_activation_copies"]}
 
     # ---- each phase's own ----
@@ -436,7 +442,7 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
     else:
         acts = {"activations kept for backward": m_upd * T * L * H * act}
     update = {**acts, "logits + gradient": 2 * m_upd * R * V * c, **chunk_term(m_upd, 20),
-              "gathered layer + root": gathered}
+              "gathered weights": gathered}
 
     # ---- time ----
     flops = bw = None
@@ -485,7 +491,8 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         Phase("old log-prob", old_runs, "on-policy with one optimizer step: the update computes them",
               terms={**held, **forward_terms(m_old, entropy=True)}, seconds=forward_s(m_old)),
         Phase("reference log-prob", has_ref, "no reference model (use_kl_loss and use_kl_in_reward are off)",
-              terms={**held, **forward_terms(m_ref, entropy=False)}, seconds=forward_s(m_ref)),
+              terms={**held, **forward_terms(m_ref, entropy=False, gathered=ref_gathered if has_ref and not lora_rank
+                                             else gathered)}, seconds=forward_s(m_ref)),
         Phase("update", True, terms={**held, **update}, seconds=update_s),
         *critic_phases,
     ]

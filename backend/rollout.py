@@ -129,15 +129,44 @@ def sample_tokens(scores: torch.Tensor, params: SamplingParams, seed: int | torc
 
     The draw inverts the cumulative distribution at u = counter_uniform(seed, row, position): token i
     is picked when cdf[i-1] <= u * cdf[-1] < cdf[i], which happens with probability p[i] and never for
-    a token of probability 0. One random number per row, so it costs a cumulative sum, not a noise
-    tensor the size of the logits.
+    a token of probability 0. One random number per row, so it costs a pass over the probabilities, not
+    a noise tensor the size of the logits (see invert_cdf).
     """
     if params.greedy:
         return scores.argmax(-1)
     probs = torch.softmax(warp_logits(scores, params.temperature, params.top_k, params.top_p), dim=-1)
-    cdf = probs.cumsum(-1)
-    u = counter_uniform(seed, rows, position) * cdf[:, -1]
-    return torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1).clamp(max=scores.shape[-1] - 1)
+    return invert_cdf(probs, counter_uniform(seed, rows, position))
+
+
+CDF_BLOCK = 1024  # tokens per block of invert_cdf's first level
+
+
+def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row of probs (b, V) (non-negative, any total) and u (b,) in (0, 1): the first token i with
+    cdf[i] > u * total, never a token of probability 0. Returns (b,) int64.
+
+    Two levels instead of a cumulative sum over the whole vocabulary (which writes and reads a (b, V)
+    tensor every decoding step): sums of blocks of CDF_BLOCK tokens, their cumulative sum to find the
+    block, then a cumulative sum inside that block only.
+    """
+    b, vocab = probs.shape
+    whole = vocab // CDF_BLOCK * CDF_BLOCK
+    sums = probs[:, :whole].view(b, -1, CDF_BLOCK).sum(-1)
+    if whole < vocab:
+        sums = torch.cat([sums, probs[:, whole:].sum(-1, keepdim=True)], -1)
+    block_cdf = sums.cumsum(-1)
+    target = u * block_cdf[:, -1]
+    # Rounding may put target at the very end: stay within the last block that holds any mass.
+    last = sums.shape[1] - 1 - (sums > 0).flip(-1).int().argmax(-1)
+    block = torch.minimum(torch.searchsorted(block_cdf, target.unsqueeze(-1), right=True).squeeze(-1), last)
+    before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
+    ids = block.unsqueeze(-1) * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)
+    inside = probs.gather(-1, ids.clamp(max=vocab - 1)) * (ids < vocab)
+    rest = (target - before).clamp(min=0).unsqueeze(-1)
+    pick = torch.searchsorted(inside.cumsum(-1), rest, right=True).squeeze(-1)
+    # The same rounding inside the block: fall back to its last token that has mass.
+    last_inside = CDF_BLOCK - 1 - (inside > 0).flip(-1).int().argmax(-1)
+    return block * CDF_BLOCK + torch.minimum(pick, last_inside)
 
 
 class CounterSampler:

@@ -3,12 +3,18 @@ masked attention over the same cache, at the workload's shape (Qwen3-0.6B: 8 KV 
 each, head_dim 128) and several numbers of written slots. Prints a table, writes a JSON.
 
     python bench/decode_attention_check.py --out bench/results/<date>-h200-decode-attention.json
+
+--sweep also times every kernel setting (loop form, slots per block, warps, pipeline stages) at 136 and
+272 written slots, each checked against the fp32 reference, fastest first; --apply then writes the fastest
+(least time at 136 and 272 slots together, within bf16 tolerance) into backend/decode_attention.py's defaults.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -17,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from backend import decode_attention as kernel  # noqa: E402
 from backend.decode_attention import decode_attention  # noqa: E402
 
 
@@ -40,6 +47,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=512)
     p.add_argument("--slots", type=int, default=272)
     p.add_argument("--out", default=None)
+    p.add_argument("--sweep", action="store_true", help="time every kernel setting")
+    p.add_argument("--apply", action="store_true", help="with --sweep: make the fastest setting the default")
     args = p.parse_args()
     torch.manual_seed(0)
     b, n_kv, g, d, slots = args.rows, 8, 2, 128, args.slots
@@ -69,9 +78,60 @@ def main() -> None:
         print(f"{r['written_slots']:>6} {r['max_abs_error_vs_fp32']:>9.2e} {r['kernel_ms']:>10.3f} "
               f"{r['torch_sdpa_bucket_ms']:>8.3f} {r['kernel_gb_per_s']:>12.0f}")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": b, "kv_heads": n_kv,
-              "group": g, "head_dim": d, "per_layer_call": rows}
+              "group": g, "head_dim": d, "per_layer_call": rows,
+              "defaults": {"pipelined": kernel.PIPELINED, "block": kernel.BLOCK_SLOTS, "num_warps": kernel.NUM_WARPS,
+                           "num_stages": kernel.NUM_STAGES}}
+    if args.sweep:
+        result["sweep"] = sweep(q, k_cache, v_cache, valid, slots)
+        if args.apply:
+            result["applied"] = apply_fastest(result["sweep"], slots)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+def sweep(q, k_cache, v_cache, valid, slots: int) -> list[dict]:
+    settings = [(False, block, warps, 1) for block in (32, 64, 128) for warps in (4, 8)]
+    settings += [(True, block, warps, stages) for block in (32, 64, 128) for warps in (4, 8) for stages in (1, 2, 3, 4)]
+    out = []
+    for pipelined, block, warps, stages in settings:
+        row = {"pipelined": pipelined, "block": block, "num_warps": warps, "num_stages": stages}
+        try:
+            for written in (136, slots):
+                slot = torch.tensor([written - 1], device=q.device)
+                call = functools.partial(decode_attention, q, k_cache, v_cache, valid, slot, block=block,
+                                         num_warps=warps, num_stages=stages, pipelined=pipelined)
+                ref = F.scaled_dot_product_attention(q.float(), k_cache[:, :, :written].float(),
+                                                     v_cache[:, :, :written].float(),
+                                                     attn_mask=valid[:, None, None, :written])
+                row[f"max_err_{written}"] = (call().float() - ref).abs().max().item()
+                row[f"ms_{written}"] = timed(call)
+        except Exception as e:  # a setting Triton cannot compile (too much shared memory) is reported, not fatal
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        out.append(row)
+    out.sort(key=lambda r: r.get(f"ms_{slots}", float("inf")))
+    print(f"\n{'pipelined':>9} {'block':>5} {'warps':>5} {'stages':>6} {'ms@136':>8} {'ms@' + str(slots):>8} "
+          f"{'max err':>9}")
+    for r in out:
+        if "error" in r:
+            print(f"{r['pipelined']!s:>9} {r['block']:>5} {r['num_warps']:>5} {r['num_stages']:>6} {r['error']}")
+        else:
+            print(f"{r['pipelined']!s:>9} {r['block']:>5} {r['num_warps']:>5} {r['num_stages']:>6} {r['ms_136']:>8.3f} "
+                  f"{r[f'ms_{slots}']:>8.3f} {max(r['max_err_136'], r[f'max_err_{slots}']):>9.2e}")
+    return out
+
+
+def apply_fastest(rows: list[dict], slots: int) -> dict:
+    ok = [r for r in rows if "error" not in r and max(r["max_err_136"], r[f"max_err_{slots}"]) < 2e-2]
+    best = min(ok, key=lambda r: r["ms_136"] + r[f"ms_{slots}"])
+    path = Path(kernel.__file__)
+    text = path.read_text()
+    for name, value in (("BLOCK_SLOTS", best["block"]), ("NUM_WARPS", best["num_warps"]),
+                        ("NUM_STAGES", best["num_stages"]), ("PIPELINED", best["pipelined"])):
+        text, n = re.subn(rf"^{name} = .*$", f"{name} = {value}", text, count=1, flags=re.M)
+        assert n == 1, name
+    path.write_text(text)
+    print(f"\ndefaults now {best}")
+    return best
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def test_log_prob_terms_use_each_passs_micro_batch_capped_at_the_rows_of_a_rank(
         assert phase.runs
         own = {k: v for k, v in phase.terms.items() if k not in worked.held}
         # compiled on the GPU, the vocabulary pass is fused: no fp32 copy of a chunk
-        assert own == {"gathered layer + root": gathered, "logits": m * R * V * c,
+        assert own == {"gathered weights": gathered, "logits": m * R * V * c,
                        "activations": m * T * H * c * 4}, name
     assert worked.phase("old log-prob").terms["logits"] == 86_016
 
@@ -111,7 +111,7 @@ def test_update_terms_with_and_without_gradient_checkpointing(worked):
     own = {k: v for k, v in update.terms.items() if k not in worked.held}
     assert own == {"activations kept for backward": m * T * L * H * A,  # 655,360
                    "logits + gradient": 2 * m * R * V * c,  # 229,376
-                   "gathered layer + root": c * (P_LAYER + P_ROOT)}
+                   "gathered weights": c * (P_LAYER + P_ROOT)}
     assert update.allocated == 1_175_680 + 655_360 + 229_376 + 139_712
     # the update holds more of its own (1,024,448, m=4) than the reference pass (893,376, m=8)
     ref = worked.phase("reference log-prob")
@@ -143,6 +143,17 @@ def test_hf_engine_holds_no_copy_but_gathers_the_actor_for_generation():
     assert not any(k.startswith("rollout engine weights") for k in p.held)
     assert p.phase("generation").terms["actor weights gathered for sampling"] == 2 * P
     assert p.phase("update").allocated == 1_175_680 - 2 * P + 655_360 + 229_376 + 139_712
+
+
+def test_one_rank_counts_the_whole_model_gathered_and_offload_a_layer_at_a_time():
+    one = ("trainer.n_gpus_per_node=1", *WORKED[1:])
+    p = planner.plan(tiny(*one), gpu="h200", calibration=CHOSEN)
+    for phase in ("old log-prob", "reference log-prob", "update"):
+        assert p.phase(phase).terms["gathered weights"] == 2 * P, phase
+    offloaded = planner.plan(tiny(*one, "actor_rollout_ref.actor.fsdp_config.offload_policy=true"), gpu="h200",
+                             calibration=CHOSEN)
+    assert offloaded.phase("update").terms["gathered weights"] == 2 * (P_LAYER + P_ROOT)
+    assert offloaded.phase("reference log-prob").terms["gathered weights"] == 2 * P  # the reference is not offloaded
 
 
 def test_phases_that_the_step_skips_are_not_counted():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from backend import rollout
 from backend.models import load_model
 from backend.rollout import (
     CounterSampler,
@@ -75,6 +76,25 @@ def test_counter_sampling_draws_tokens_with_the_softmax_probabilities():
     tokens = CounterSampler(params, torch.arange(40000))(torch.zeros(40000, 3, dtype=torch.long), logits).argmax(-1)
     freq = torch.bincount(tokens, minlength=5).float() / 40000
     torch.testing.assert_close(freq, torch.softmax(logits[0] / 0.7, -1), atol=0.01, rtol=0)
+
+
+def test_the_two_level_inversion_picks_the_token_a_whole_cumulative_sum_picks():
+    """invert_cdf (block sums, then one block) against a float64 cumulative sum over the whole vocabulary,
+    on a vocabulary of two whole blocks and a tail, a third of the tokens at probability 0."""
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab = 4000, 2 * rollout.CDF_BLOCK + 300
+    probs = torch.rand(rows, vocab, generator=gen) ** 4
+    probs[torch.rand(rows, vocab, generator=gen) < 0.33] = 0.0
+    probs[:50, : rollout.CDF_BLOCK] = 0.0  # whole blocks without mass
+    probs[50:100, rollout.CDF_BLOCK:] = 0.0  # all mass in the first block
+    u = torch.rand(rows, generator=gen)
+    cdf = probs.double().cumsum(-1)
+    expected = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    picked = rollout.invert_cdf(probs, u)
+    assert torch.equal(picked, expected)
+    assert bool((probs.gather(-1, picked.unsqueeze(-1)) > 0).all())
+    ends = rollout.invert_cdf(probs, torch.full((rows,), 1.0 - 2**-24))  # the very end of each row
+    assert bool((probs.gather(-1, ends.unsqueeze(-1)) > 0).all())
 
 
 def test_sampling_never_picks_a_token_that_top_k_cut():
