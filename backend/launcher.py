@@ -33,6 +33,7 @@ import yaml
 from backend.checks import check_or_raise
 from backend.config import Config, ConfigError, load_config, to_yaml, validate_config
 from backend.runs import (
+    NICE_ENV,
     STATES,
     RunDir,
     atomic_write_text,
@@ -51,6 +52,11 @@ GONE_AFTER_S = 60.0  # without a pid to ask, a heartbeat this old means the run 
 # a large model or saving a checkpoint writes nothing for a while.
 DEFAULT_STALL_AFTER_S = 120.0
 SCORE_KEY = "critic/score/mean"
+# Runs yield the CPU to the workbench: on a 2-core machine eight runs at the UI's priority left it a
+# ninth of the CPU, and a page took 13 s to answer. The trainer lowers its own priority once its Ray and
+# workers are up (Ray gives a node 30 s to start, which a run niced from its first instant missed under
+# load); see trainer.yield_cpu.
+RUN_NICE = 10
 
 # Children this process started. A child that exits stays a zombie until its parent waits for it, and
 # os.kill(zombie, 0) succeeds, so a killed run would look alive for as long as the UI runs; polling the
@@ -107,7 +113,8 @@ def _spawn(run: RunDir) -> int:
     try:
         with open(run.logs / "stdout.log", "ab") as out, open(run.logs / "stderr.log", "ab") as err:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=os.getcwd(),
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", NICE_ENV: str(RUN_NICE)},
+                                    start_new_session=True,
                                     close_fds=True)
     except OSError as e:
         run.write_status("failed", stage="failed", finished=time.time(), error=f"could not start the run: {e}")

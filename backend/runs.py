@@ -29,6 +29,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 STATES = ("queued", "running", "succeeded", "failed", "stopped")
+# Set by whoever starts a trainer in the background (the workbench's launcher): the nice value the run
+# takes once its workers are up, so it yields the CPU to interactive work.
+NICE_ENV = "GRPO_WB_RUN_NICE"
 _CKPT = re.compile(r"^step_(\d+)$")
 
 

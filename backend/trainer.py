@@ -7,6 +7,7 @@ advantages and the update, and writes everything into the run directory.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -32,7 +33,7 @@ from backend.evaluation import evaluate
 from backend.inference import Generator
 from backend.models import load_tokenizer
 from backend.rollout import RolloutBatch, SamplingParams, concat_rows
-from backend.runs import RunDir, latest_checkpoint, new_run_dir, read_status
+from backend.runs import NICE_ENV, RunDir, latest_checkpoint, new_run_dir, read_status
 from backend.worker_group import WorkerError, WorkerGroup
 
 
@@ -136,6 +137,8 @@ class Trainer:
         self.workers = WorkerGroup(cfg, self.total_steps, pad_id=self.tokenizer.pad_token_id,
                                    on_head_lost=functools.partial(_record_head_lost, self.run))
         self.run.write_status("running", workers=self.workers.where)
+        if os.environ.get(NICE_ENV):
+            yield_cpu(int(os.environ[NICE_ENV]))
         self.has_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.rollout = self.workers  # the group is the rollout engine: each rank generates its share
         kl = cfg.algorithm.kl_ctrl
@@ -679,6 +682,24 @@ def _alive(pid: int | None) -> bool:
     except OSError:
         return False
     return True
+
+
+def yield_cpu(nice: int) -> None:
+    """Lower this run's CPU priority to `nice`: every process of its process group (the trainer, its Ray
+    and its workers; ones started later inherit it) and, under Linux's autogroup scheduling, its session's
+    group, which is what the kernel weighs against other sessions (such as the workbench's) whatever the
+    nice of their processes. A run started in the background leads its own session, so this changes
+    nothing else."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PGRP, 0, nice)
+    for _ in range(40):
+        try:
+            Path("/proc/self/autogroup").write_text(str(nice))
+            return
+        except BlockingIOError:  # the kernel takes one autogroup change per 100 ms from an unprivileged user
+            time.sleep(0.05)
+        except OSError:  # no autogroup scheduling on this kernel
+            return
 
 
 def _record_head_lost(run: RunDir, message: str) -> None:

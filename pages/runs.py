@@ -202,12 +202,23 @@ def _reward_problem(metrics: list[dict]) -> str:
     return ""
 
 
+def metrics_drawn() -> int:
+    """How many metrics lines of the selected run the charts below were drawn from (session state)."""
+    return st.session_state.get("runs_metrics_drawn", {}).get(str(run_dir), -1)
+
+
 @st.fragment(run_every=REFRESH_S)
-def live_view() -> None:
+def live_status() -> None:
+    """The state line, warnings, errors and log, every REFRESH_S. The charts are redrawn (a rerun of the
+    page) only when the run has written a new metrics line: redrawing a dozen unchanged charts every few
+    seconds kept the server and the browser busy (0.3 of a core for one idle tab), which made every page
+    slow while runs trained."""
     if not run_dir.exists():
         st.warning(f"{run_dir.name} was deleted.")
         return
     info = launcher.read_run(run_dir)
+    if len(info["metrics"]) != metrics_drawn():
+        st.rerun()
     status = info.get("status") or {}
     state = status.get("state", "unknown")
     if state in ("queued", "running"):
@@ -235,8 +246,15 @@ def live_view() -> None:
         st.error(status["error"])
         if status.get("traceback"):
             st.code(status["traceback"], language="text")
+    with st.expander("Log", expanded=state == "failed"):
+        st.code(launcher.log_tail(run_dir, 80) or "(empty)", language="text")
 
-    series = {run_dir.name: info["metrics"]}
+
+def charts() -> None:
+    """The selected run's charts (other runs overlaid), config differences and evaluations."""
+    metrics = launcher.read_run(run_dir)["metrics"] if run_dir.exists() else []
+    st.session_state.setdefault("runs_metrics_drawn", {})[str(run_dir)] = len(metrics)
+    series = {run_dir.name: metrics}
     for other in others:
         if (root / other).exists():
             series[other] = launcher.read_run(root / other)["metrics"]
@@ -259,14 +277,13 @@ def live_view() -> None:
                          hide_index=True)
         else:
             st.caption("The configs are the same.")
-    evaluations = list_evaluations(run_dir)
+    evaluations = list_evaluations(run_dir) if run_dir.exists() else []
     if evaluations:
         st.subheader("Evaluations")
         st.dataframe([{"checkpoint": e.get("checkpoint"), "data": Path(str(e.get("data_file", ""))).name,
                        **{k: round(v, 4) for k, v in (e.get("metrics") or {}).items() if isinstance(v, float)}}
                       for e in evaluations], hide_index=True)
-    with st.expander("Log", expanded=state == "failed"):
-        st.code(launcher.log_tail(run_dir, 80) or "(empty)", language="text")
 
 
-live_view()
+charts()
+live_status()

@@ -3,11 +3,13 @@ dashboard's arithmetic (smoothing, config diffs, stage line) with hand-worked nu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -215,6 +217,29 @@ def test_stop_ends_the_whole_process_group_and_leaves_state_stopped(tmp_path, ru
     assert read_status(run_dir)["state"] == "stopped"
     assert summary_of(run_dir).state == "stopped"
     assert launcher.stop(run_dir) == "stopped"  # stopping a finished run changes nothing
+
+
+def test_a_launched_run_and_its_session_yield_the_cpu_to_the_workbench(runs_root, sample_sets):
+    """Once stepping, a launched run's processes (trainer, Ray, workers) and its session's scheduling group
+    run at RUN_NICE, so the UI stays responsive while runs train; the workbench itself is not niced."""
+    run_dir = launcher.launch(tiny_config(sample_sets, **{"trainer.total_training_steps": LONG}), name="nice",
+                              runs_root=runs_root)
+    status = wait_until_stepping(run_dir)
+    try:
+        group = [int(p) for p in subprocess.run(["pgrep", "-g", str(status["pgid"])], capture_output=True,
+                                                text=True).stdout.split()]
+        assert status["pid"] in group and len(group) > 2  # the trainer, its Ray and its worker
+        niceness = {}
+        for pid in group:
+            with contextlib.suppress(ProcessLookupError):
+                niceness[pid] = os.getpriority(os.PRIO_PROCESS, pid)
+        assert set(niceness.values()) == {launcher.RUN_NICE}, niceness
+        autogroup = Path(f"/proc/{status['pid']}/autogroup")
+        if autogroup.exists():  # Linux with autogroup scheduling
+            assert autogroup.read_text().split()[-1] == str(launcher.RUN_NICE)
+        assert os.getpriority(os.PRIO_PROCESS, 0) < launcher.RUN_NICE
+    finally:
+        launcher.stop(run_dir, grace_s=30)
 
 
 def test_a_run_killed_with_sigkill_is_listed_as_failed_and_its_status_file_says_so(runs_root, sample_sets):
