@@ -11,6 +11,7 @@ together and gathers the results back in order; a rank that dies or raises fails
 from __future__ import annotations
 
 import _thread
+import contextlib
 import logging
 import math
 import os
@@ -78,6 +79,9 @@ class HeadWatch:
         self._stop.set()
 
 
+RAY_START_ATTEMPTS = 3
+
+
 def start_ray(cfg: Config) -> None:
     """Join `trainer.ray_address`, or start a private Ray in this process (once per process)."""
     if ray.is_initialized():
@@ -101,8 +105,30 @@ def start_ray(cfg: Config) -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
     # address="local": always a new private instance, even where `ray start` left a cluster address behind.
     # Ray's start-up notices are noise in a run's log; its errors still show.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world), include_dashboard=False, log_to_driver=True,
-             object_store_memory=512 * 2**20, runtime_env={"env_vars": env}, logging_level=logging.ERROR)
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world), include_dashboard=False,
+                     log_to_driver=True, object_store_memory=512 * 2**20, runtime_env={"env_vars": env},
+                     logging_level=logging.ERROR)
+            return
+        except Exception as e:
+            # Ray waits a fixed 30 s for its new node to register; on a small machine busy starting several
+            # runs at once that can run out. The processes of the failed start are ours to end.
+            if "timed out during startup" not in str(e) or attempt == RAY_START_ATTEMPTS:
+                raise
+            _end_children()
+            ray.shutdown()
+
+
+def _end_children() -> None:
+    """Kill every process this one started (here: a half-started Ray) and wait for them."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    psutil.wait_procs(children, timeout=10)
 
 
 def worker_device(cfg: Config) -> str:

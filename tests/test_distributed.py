@@ -241,3 +241,36 @@ def test_a_run_joins_an_existing_ray_cluster_by_address(tmp_path, sample_sets):
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)
+
+
+RAY_START_RETRY = '''
+import subprocess
+import ray, psutil
+from backend import worker_group
+from backend.config import load_config
+
+real_init, calls = ray.init, []
+
+def init_that_times_out_once(**kwargs):
+    calls.append(kwargs)
+    if len(calls) == 1:  # what a late start leaves: processes it began, then Ray's exception
+        subprocess.Popen(["sleep", "300"])
+        raise Exception("The current node timed out during startup. This could happen because ...")
+    return real_init(**kwargs)
+
+ray.init = init_that_times_out_once
+worker_group.start_ray(load_config(None, ["trainer.device=cpu"]))
+names = [p.name() for p in psutil.Process().children(recursive=True)]
+print(len(calls), ray.is_initialized(), ray.cluster_resources().get("CPU", 0) > 0, names.count("sleep"),
+      names.count("gcs_server"))
+ray.shutdown()
+'''
+
+
+def test_a_private_ray_that_misses_its_start_up_deadline_is_started_again():
+    """Ray gives a new node a fixed 30 s to register; a run starting while the machine is busy with others
+    tries again, after ending the processes of the late start (in its own process: it kills its children)."""
+    out = subprocess.run([sys.executable, "-c", RAY_START_RETRY], capture_output=True, text=True, cwd=REPO,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "2 True True 0 1"  # the late start's process is gone
