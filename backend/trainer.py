@@ -252,8 +252,9 @@ class Trainer:
         message = (f"worker rank {rank} is waiting for a debugger at {where} (VS Code: 'Python Debugger: Remote "
                    f"Attach' to that host and port); step {self._step} starts once one attaches")
         print(message, flush=True)
-        self.run.write_status("running", debugger=where)
+        # The stage first: a reader that sees `debugger` must also see the stage that explains it.
         self.stage(message, force=True)
+        self.run.write_status("running", debugger=where)
         self.workers.wait_for_debugger(rank, heartbeat=lambda: self.stage(message))
         self.run.write_status("running", debugger=None)
 
