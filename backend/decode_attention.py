@@ -14,7 +14,6 @@ how the tests check it against PyTorch's attention.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -38,13 +37,6 @@ def available(device: torch.device) -> bool:
     return True
 
 
-@functools.cache
-def _kernel():
-    from backend.decode_attention_kernel import decode_attention_kernel
-
-    return decode_attention_kernel
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, valid: torch.Tensor,
                      slot: torch.Tensor, out: torch.Tensor | None = None, block: int = BLOCK_SLOTS,
                      num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
@@ -65,7 +57,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or valid.stride(-1) != 1:
         raise ValueError("decode_attention needs the last dimension of q, the caches and valid contiguous")
     out = torch.empty_like(q) if out is None else out
-    _kernel()[(b, n_kv)](
+    # Imported on first use: Triton is only on GPU machines (and in the tests, through its interpreter).
+    from backend.decode_attention_kernel import decode_attention_kernel
+
+    decode_attention_kernel[(b, n_kv)](
         q, k_cache, v_cache, valid, slot, out, d ** -0.5,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
