@@ -957,3 +957,64 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     parts = [fns[0](logits[c], targets[c], temperature, with_entropy)
              for c in _row_chunks(logits.shape[0], logits.shape[1])]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if with_entropy else None
+
+
+class _HeadVocabPass(torch.autograd.Function):
+    """The output head's matmul fused with the vocabulary pass, a chunk of rows at a time: neither the
+    logits nor their gradient ever exist for the whole micro-batch, only for one chunk. Backward
+    recomputes a chunk's logits (one more matmul) and turns their gradient into the hidden states' and
+    the head weight's at once."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, with_entropy, fns):
+        forward_fn, backward_fn = fns
+        parts = [forward_fn(hidden[c] @ weight.T, targets[c], temperature, with_entropy)
+                 for c in _row_chunks(hidden.shape[0], hidden.shape[1])]
+        log_prob = torch.cat([p[0] for p in parts])
+        entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
+        ctx.save_for_backward(hidden, weight, targets, torch.cat([p[2] for p in parts]), entropy)
+        ctx.temperature, ctx.backward_fn = temperature, backward_fn
+        ctx.set_materialize_grads(False)
+        return log_prob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_prob, grad_entropy):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        if grad_log_prob is None:
+            grad_log_prob = torch.zeros_like(lse)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        # The weight's gradient sums over every chunk: kept in fp32 so the chunks' bf16 products add up
+        # as one matmul's would.
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        for c in _row_chunks(hidden.shape[0], hidden.shape[1]):
+            grad_logits = ctx.backward_fn(hidden[c] @ weight.T, targets[c], ctx.temperature, lse[c],
+                                          None if grad_entropy is None else entropy[c], grad_log_prob[c],
+                                          None if grad_entropy is None else grad_entropy[c])
+            if grad_hidden is not None:
+                grad_hidden[c] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight += (grad_logits.flatten(0, 1).T @ hidden[c].flatten(0, 1)).float()
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None, None, None, None)
+
+
+def head_token_log_probs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
+                         with_entropy: bool = False, entropy_grad: bool = False, compiled: bool = False
+                         ) -> tuple[Tensor, Tensor | None]:
+    """token_log_probs(hidden @ weight.T, ...) without the whole (b, R, V) logits or their gradient:
+    the head's matmul runs a chunk of rows at a time inside the vocabulary pass.
+
+    hidden (b, R, H) the states that predict `targets` (b, R); weight (V, H) a bias-free output head.
+    Returns fp32 (b, R) log-probs and entropies (None unless with_entropy); gradients reach both hidden
+    and weight.
+    """
+    fns = _compiled_vocab_pass() if compiled else (_vocab_forward, _vocab_backward)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        log_prob, entropy = _HeadVocabPass.apply(hidden, weight, targets, temperature, with_entropy, fns)
+        if entropy is not None and not entropy_grad:
+            entropy = entropy.detach()
+        return log_prob, entropy
+    parts = [fns[0](hidden[c] @ weight.T, targets[c], temperature, with_entropy)
+             for c in _row_chunks(hidden.shape[0], hidden.shape[1])]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if with_entropy else None

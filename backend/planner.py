@@ -11,11 +11,13 @@ decoder layer P_layer, embeddings + final norm + head P_root), c bytes a value i
     update)               + cP the rollout engine's own copy of the weights (engine auto/workbench; hf has none)
     generation            KV cache Bg*T*L*2*Hkv*D*c + sampling Bg*V*18 + cP gathered weights
                           (Bg = min(generation_batch_size, rows per rank))
-    old / ref log-prob    gathered weights G + logits m*(R+1)*V*c + the fp32
-                          log-softmax of one chunk of K = 2048 positions K*V*8 (old, with entropy: *16)
+    old / ref log-prob    gathered weights G + logits m*R*V*c (a plain head runs inside the vocabulary
+                          pass: one chunk's, K*V*c) + the fp32 log-softmax of one chunk of K = 2048
+                          positions K*V*8 (old, with entropy: *16; 0 when compiled)
                           + activations m*T*H*c*4                      (m: that pass's micro-batch)
     update                activations kept for backward m*T*L*H*A (gradient checkpointing: the layer inputs
-                          m*T*H*c*L + one layer's m*T*H*A) + logits and their gradient 2*m*(R+1)*V*c
+                          m*T*H*c*L + one layer's m*T*H*A) + logits and their gradient 2*m*R*V*c (a plain
+                          head: one chunk's 2*K*V*c + the head's fp32 gradient sum 4*V*H)
                           + one chunk's fp32 log-softmax and entropy K*V*16 + the gathered weights G
                           (G = cP on one rank, which gathers the model once a phase; c*(P_layer + P_root),
                           a layer at a time, on more ranks or offloaded)
@@ -40,6 +42,7 @@ from typing import Any
 
 from backend.algos import LOG_PROB_CHUNK_TOKENS
 from backend.config import Config, ConfigError, batch_plan, uses_critic, validate_config, yaml_value
+from backend.decode import ARCHITECTURES
 from backend.distributed import gathers_once
 from backend.models import ModelError
 
@@ -423,9 +426,16 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
     def chunk_term(m: int, bytes_per_entry: int) -> dict[str, float]:
         return {} if fused else {"fp32 vocabulary pass of one chunk": min(m * R, chunk_tokens) * V * bytes_per_entry}
 
+    # A plain head runs inside the vocabulary pass (workers.response_log_probs): its logits exist a chunk
+    # at a time, never for the whole micro-batch.
+    head_in_pass = dims.architecture in ARCHITECTURES and not (lora_rank and "lm_head" in arr.model.target_modules)
+
+    def logits_tokens(m: int) -> int:
+        return min(m * R, chunk_tokens) if head_in_pass else m * R
+
     def forward_terms(m: int, entropy: bool, gathered: float = gathered) -> dict[str, float]:
-        return {"gathered weights": gathered, "logits": m * R * V * c, **chunk_term(m, 16 if entropy else 8),
-                "activations": m * T * H * c * cal["logprob_activation_copies"]}
+        return {"gathered weights": gathered, "logits": logits_tokens(m) * V * c,
+                **chunk_term(m, 16 if entropy else 8), "activations": m * T * H * c * cal["logprob_activation_copies"]}
 
     # ---- each phase's own ----
     bg = min(r.generation_batch_size, rows_rank)
@@ -441,8 +451,10 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         acts = {"checkpointed layer inputs": m_upd * T * H * c * L, "activations of one layer": m_upd * T * H * act}
     else:
         acts = {"activations kept for backward": m_upd * T * L * H * act}
-    update = {**acts, "logits + gradient": 2 * m_upd * R * V * c, **chunk_term(m_upd, 20),
+    update = {**acts, "logits + gradient": 2 * logits_tokens(m_upd) * V * c, **chunk_term(m_upd, 20),
               "gathered weights": gathered}
+    if head_in_pass:
+        update["fp32 gradient sum of the head"] = 4 * V * H
 
     # ---- time ----
     flops = bw = None

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import ray
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from backend import algos, checkpoint, decode, distributed, lora
 from backend.config import Config, from_dict
@@ -35,18 +36,50 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
 
     input_ids, attention_mask: (b, P + R), the last R positions are the response.
     Returns log_probs (b, R) and entropy (b, R) or None; the entropy carries a gradient only when
-    entropy_grad is set (an entropy bonus). Only the R positions that predict response tokens get
-    vocabulary-sized logits (`logits_to_keep` as indices, so no logit is computed, or given a zero
-    gradient, for a position nobody reads), and logits are divided by the sampling temperature so the
-    ratio matches the sampling distribution. `compiled` fuses the vocabulary pass (algos.token_log_probs).
+    entropy_grad is set (an entropy bonus). Only the R positions that predict response tokens reach the
+    output head (`logits_to_keep` as indices), and logits are divided by the sampling temperature so the
+    ratio matches the sampling distribution. Where the head is a plain bias-free linear layer, the model
+    returns its hidden states and the head runs inside the vocabulary pass a chunk at a time
+    (algos.head_token_log_probs), so the (b, R, V) logits and their gradient never exist whole.
+    `compiled` fuses the vocabulary pass.
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     total = input_ids.shape[1]
     predicting = torch.arange(total - response_len - 1, total - 1, device=input_ids.device)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                logits_to_keep=predicting, use_cache=False)
-    return algos.token_log_probs(out.logits, input_ids[:, -response_len:], temperature, with_entropy, entropy_grad,
-                                 compiled=compiled)
+    targets = input_ids[:, -response_len:]
+    head = _plain_head(model)
+    with _passing_through(head) if head is not None else contextlib.nullcontext():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    logits_to_keep=predicting, use_cache=False)
+    if head is None:
+        return algos.token_log_probs(out.logits, targets, temperature, with_entropy, entropy_grad, compiled=compiled)
+    if isinstance(model, FSDPModule):
+        # The root, which holds the head, may free its gathered weights after the forward (it does once
+        # distributed.unsharded has run); the backward, or the caller's reshard, frees them again.
+        model.unshard()
+    return algos.head_token_log_probs(out.logits, head.weight, targets, temperature, with_entropy, entropy_grad,
+                                      compiled=compiled)
+
+
+def _plain_head(model) -> torch.nn.Linear | None:
+    """The model's output head where the model's forward returns head(hidden) unchanged (the
+    architectures the workbench engine runs) and the head is a bias-free linear layer; else None."""
+    base = lora.unwrap(model)
+    if (getattr(base.config, "architectures", None) or [None])[0] not in decode.ARCHITECTURES:
+        return None
+    head = base.get_output_embeddings()
+    return head if type(head) is torch.nn.Linear and head.bias is None else None
+
+
+@contextlib.contextmanager
+def _passing_through(head: torch.nn.Module):
+    """The head returns its input for the duration (an instance attribute shadows its forward, as
+    distributed.shard_model does for compiled layers)."""
+    head.forward = lambda hidden: hidden
+    try:
+        yield
+    finally:
+        del head.forward
 
 
 def _micro_batches(batch: Batch, size: int):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Before and after a change, in one call on the GPU machine: our step on the workload
 # (bench/grpo_step.py --skip-trl) from an earlier tree and from this one, alternating, then this tree at
-# micro-batches of 64 (bench/perf_probe.sh profiles). Calls differ by up to 50% in update time, so only runs
-# of the same call compare.
+# micro-batches of 64, with PyTorch's default allocator and with expandable segments (bench/perf_probe.sh
+# profiles). Calls differ by up to 50% in update time, so only runs of the same call compare.
 #   git archive <commit> | tar -x -C .base      # the earlier tree, carried as an ignored folder
 #   bash bench/perf_ab.sh <tokenizer folder> <earlier tree> <output folder>
 set -uo pipefail
@@ -23,6 +23,6 @@ step() {  # step <tree> <name> [grpo_step args]
 }
 step "$BASE" base-1
 step "$HERE" new-1
-step "$BASE" base-2
-step "$HERE" new-2
 step "$HERE" new-micro64 --micro-batch 64
+step "$BASE" base-2
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step "$HERE" new-micro64-expandable --micro-batch 64

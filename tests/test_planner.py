@@ -100,7 +100,8 @@ def test_the_eager_vocabulary_pass_counts_fp32_temporaries_for_one_chunk_not_the
     chunk = (2048 // 100) * 100  # whole rows of 100 positions, far fewer than the micro-batch's 6,400
     assert big.phase("update").terms["fp32 vocabulary pass of one chunk"] == chunk * V * 20
     assert big.phase("reference log-prob").terms["fp32 vocabulary pass of one chunk"] == 8 * 100 * V * 8
-    assert big.phase("update").terms["logits + gradient"] == 2 * 64 * 100 * V * 2
+    # the head runs inside the vocabulary pass: the logits and their gradient of one chunk, not 6,400 positions
+    assert big.phase("update").terms["logits + gradient"] == 2 * chunk * V * 2
     fused = planner.plan(tiny(*WORKED, *eager[1:]), gpu="h200", calibration=CHOSEN)
     assert not any("vocabulary pass" in k for p in fused.phases for k in p.terms)
 
@@ -110,10 +111,11 @@ def test_update_terms_with_and_without_gradient_checkpointing(worked):
     update = worked.phase("update")
     own = {k: v for k, v in update.terms.items() if k not in worked.held}
     assert own == {"activations kept for backward": m * T * L * H * A,  # 655,360
-                   "logits + gradient": 2 * m * R * V * c,  # 229,376
+                   "logits + gradient": 2 * m * R * V * c,  # 229,376: 112 positions, within one chunk
+                   "fp32 gradient sum of the head": 4 * V * H,  # 131,072
                    "gathered weights": c * (P_LAYER + P_ROOT)}
-    assert update.allocated == 1_175_680 + 655_360 + 229_376 + 139_712
-    # the update holds more of its own (1,024,448, m=4) than the reference pass (893,376, m=8)
+    assert update.allocated == 1_175_680 + 655_360 + 229_376 + 131_072 + 139_712
+    # the update holds more of its own (1,155,520, m=4) than the reference pass (893,376, m=8)
     ref = worked.phase("reference log-prob")
     assert ref.allocated == 1_175_680 + 139_712 + 229_376 + 524_288
     assert worked.peak_phase == "update" and worked.need_gib == update.reserved / GiB
@@ -142,7 +144,7 @@ def test_hf_engine_holds_no_copy_but_gathers_the_actor_for_generation():
     p = planner.plan(tiny(*WORKED, "actor_rollout_ref.rollout.name=hf"), gpu="h200", calibration=CHOSEN)
     assert not any(k.startswith("rollout engine weights") for k in p.held)
     assert p.phase("generation").terms["actor weights gathered for sampling"] == 2 * P
-    assert p.phase("update").allocated == 1_175_680 - 2 * P + 655_360 + 229_376 + 139_712
+    assert p.phase("update").allocated == 1_175_680 - 2 * P + 655_360 + 229_376 + 131_072 + 139_712
 
 
 def test_one_rank_counts_the_whole_model_gathered_and_offload_a_layer_at_a_time():
@@ -213,7 +215,8 @@ def test_a_config_that_does_not_fit_gets_suggestions_that_replanning_confirms():
 
 
 def test_when_no_change_fits_alone_the_cheapest_changes_together_do_and_replanning_confirms():
-    huge = (*HUGE, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1024")  # the reference pass is huge too
+    # the reference pass is huge too: 1,024 sequences of 16,384 + 28,672 tokens at once
+    huge = (*HUGE, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1024", "data.max_prompt_length=16384")
     p = planner.plan(tiny(*huge), gpu="l4")
     assert not any(s.fits for s in p.suggestions if len(s.changes) == 1)
     [together] = [s for s in p.suggestions if len(s.changes) > 1]

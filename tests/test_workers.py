@@ -6,7 +6,7 @@ import socket
 
 import torch
 
-from backend import algos
+from backend import algos, workers
 from backend.config import load_config, to_dict
 from backend.models import load_model
 from backend.rollout import left_pad
@@ -150,6 +150,47 @@ def test_the_entropy_bonus_gradient_equals_that_of_a_whole_softmax(monkeypatch):
     ((expected_lp * w_lp).sum() + (expected_ent * w_ent).sum()).backward()
     torch.testing.assert_close(ent, expected_ent)
     torch.testing.assert_close(fused_grad, logits.grad)
+
+
+def test_the_head_fused_into_the_vocabulary_pass_gives_the_log_probs_and_gradients_of_whole_logits(monkeypatch):
+    monkeypatch.setattr(algos, "LOG_PROB_CHUNK_TOKENS", 6)  # chunks of 2 rows, the last one shorter
+    hidden = torch.randn(5, 3, 4, requires_grad=True)
+    weight = torch.randn(7, 4, requires_grad=True)
+    targets = torch.randint(0, 7, (5, 3))
+    w_lp, w_ent = torch.randn(5, 3), torch.randn(5, 3)
+    lp, ent = algos.head_token_log_probs(hidden, weight, targets, temperature=0.8, with_entropy=True,
+                                         entropy_grad=True)
+    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+    fused = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    expected_lp, expected_ent = algos.token_log_probs(hidden @ weight.T, targets, temperature=0.8, with_entropy=True,
+                                                      entropy_grad=True)
+    ((expected_lp * w_lp).sum() + (expected_ent * w_ent).sum()).backward()
+    torch.testing.assert_close(lp, expected_lp)
+    torch.testing.assert_close(ent, expected_ent)
+    torch.testing.assert_close(fused[0], hidden.grad)
+    torch.testing.assert_close(fused[1], weight.grad)
+
+
+def test_a_model_whose_head_runs_in_the_vocabulary_pass_gets_the_gradients_of_its_full_logits(tiny_tokenizer):
+    """response_log_probs never builds the (b, R, V) logits; every parameter, the tied head and
+    embedding included, gets the gradient it gets through the model's own logits."""
+    model = load_model("tiny-qwen3", torch.device("cpu"))
+    assert workers._plain_head(model) is model.get_output_embeddings()
+    _, batch = padded_batch(tiny_tokenizer)
+    weights = torch.randn(2, 4)
+    lp, _ = response_log_probs(model, batch["input_ids"], batch["attention_mask"], 4, temperature=0.9)
+    (lp * weights).sum().backward()
+    fused = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=(batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)).logits[:, -5:-1]
+    expected, _ = algos.token_log_probs(logits, batch["responses"], temperature=0.9)
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(lp, expected, atol=1e-5, rtol=1e-5)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(fused[k], p.grad, atol=1e-5, rtol=1e-4, msg=k)
+    assert model.get_output_embeddings().forward.__self__ is model.get_output_embeddings()  # forward restored
 
 
 def test_without_an_entropy_bonus_the_entropy_carries_no_gradient_and_bf16_logits_get_a_bf16_gradient():
