@@ -618,7 +618,9 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator that registers a policy loss under ``name``.
 
     The function is called as fn(old_log_probs, log_probs, advantages, response_mask, **options) and
-    returns (scalar loss, metrics dict of detached 0-dim tensors), like ``compute_policy_loss``.
+    returns (scalar loss, metrics dict of detached 0-dim tensors), like ``compute_policy_loss``. Among
+    the options, ``rollout_is_weights`` ((batch, response_len) or None, see ``rollout_is_weights``)
+    multiplies the per-token loss before aggregation.
     """
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
@@ -653,6 +655,7 @@ def compute_policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with dual clip: rho = exp(logp - old),
     L = max(-A rho, -A clip(rho, 1 - low, 1 + high)), and for A < 0, L = min(L, -A c).
@@ -669,6 +672,8 @@ def compute_policy_loss(
         clip_ratio_low, clip_ratio_high: the ratio is clipped to [1 - low, 1 + high].
         clip_ratio_c: dual-clip bound for negative advantages; must be > 1.
         loss_agg_mode: one of ``LOSS_AGG_MODES``.
+        rollout_is_weights: (batch, response_len) detached weights multiplying each token's loss (the
+            rollout engine's importance-sampling correction, ``rollout_is_weights``), or None.
 
     Returns (loss, metrics): "actor/pg_clipfrac" (share of valid tokens the ratio clip bound),
     "actor/ppo_kl" (mean of old - logp), "actor/pg_clipfrac_lower" (share where the dual clip bound), as
@@ -688,6 +693,8 @@ def compute_policy_loss(
     pg_losses3 = -advantages * clip_ratio_c
     negative = advantages < 0
     pg_losses = torch.where(negative, torch.minimum(clipped_losses, pg_losses3), clipped_losses)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
 
     loss = agg_loss(pg_losses, mask, loss_agg_mode)
     with torch.no_grad():
@@ -710,6 +717,7 @@ def compute_policy_loss_gspo(
     clip_ratio_high: float = 4e-4,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "seq-mean-token-mean",
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO: PPO's clip on the length-normalised sequence ratio s_i = exp(mean_t(logp_it - old_it)), in
     its token form s_it = exp(sg[log s_i] + logp_it - sg[logp_it]): s_it equals s_i in value, while
@@ -728,6 +736,8 @@ def compute_policy_loss_gspo(
         clip_ratio_c: accepted so every policy loss takes the same keywords, and unused: GSPO has no
             dual clip.
         loss_agg_mode: one of ``LOSS_AGG_MODES``.
+        rollout_is_weights: (batch, response_len) detached per-token weights of the loss, or None (as in
+            ``compute_policy_loss``).
 
     Returns (loss, metrics): "actor/pg_clipfrac" (share of valid tokens the clip bound), "actor/ppo_kl"
     (mean of old - logp over valid tokens), "actor/pg_clipfrac_lower" (always 0: no dual clip), as
@@ -746,6 +756,8 @@ def compute_policy_loss_gspo(
     pg_losses1 = -advantages * seq_ratio
     pg_losses2 = -advantages * seq_ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
 
     loss = agg_loss(pg_losses, mask, loss_agg_mode)
     with torch.no_grad():
@@ -756,6 +768,49 @@ def compute_policy_loss_gspo(
             "actor/pg_clipfrac_lower": torch.zeros_like(clipfrac),
         }
     return loss, metrics
+
+
+# =====================================================================================================
+# ---- rollout correction: the sampling engine against the trainer ----
+# =====================================================================================================
+
+
+def rollout_is_weights(
+    old_log_probs: Tensor,
+    rollout_log_probs: Tensor,
+    response_mask: Tensor,
+    threshold: float = 2.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Truncated importance-sampling weight between the engine that sampled the tokens and the policy the
+    trainer computes: w_t = min(exp(old_t - rollout_t), threshold), detached, 0 at padding. The policy
+    loss of each token is multiplied by it (``rollout_is_weights`` of the policy losses).
+
+    Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (TIS); verl's
+    rollout correction (rollout_is=token), TRL's vllm_importance_sampling_correction.
+
+    Args:
+        old_log_probs: (batch, response_len) the trainer's log-probs of the sampled tokens under the policy
+            that generated them (on-policy: the detached current ones).
+        rollout_log_probs: (batch, response_len) the rollout engine's log-probs of the same tokens.
+        response_mask: (batch, response_len), 1 for real response tokens.
+        threshold: the cap of the weight (> 0).
+
+    Returns (weights (batch, response_len), metrics over valid tokens as detached 0-dim tensors):
+    "rollout/log_prob_diff_mean" (mean |rollout - old|), "rollout/is_weight_mean",
+    "rollout/is_weight_max" (of the capped weights), "rollout/is_clipfrac" (share the cap bound).
+    """
+    mask = _bool_mask(response_mask)
+    with torch.no_grad():
+        log_ratio = torch.where(mask, old_log_probs.detach() - rollout_log_probs, 0)
+        raw = torch.exp(log_ratio.clamp(-20.0, 20.0))
+        weights = torch.where(mask, raw.clamp(max=threshold), 0)
+        metrics = {
+            "rollout/log_prob_diff_mean": masked_mean(log_ratio.abs(), mask),
+            "rollout/is_weight_mean": masked_mean(weights, mask),
+            "rollout/is_weight_max": weights.masked_fill(~mask, float("-inf")).max().clamp(min=0),
+            "rollout/is_clipfrac": masked_mean((raw > threshold).float(), mask),
+        }
+    return weights, metrics
 
 
 # =====================================================================================================

@@ -151,7 +151,9 @@ class RefConfig:
 class RolloutConfig:
     name: str = _f("auto", "Rollout engine: workbench (our static-cache decode loop with CUDA graphs; Llama, "
                    "Mistral, Qwen2 and Qwen3 models), hf (Hugging Face generate; any causal LM), auto (workbench "
-                   "where it runs, else hf).", choices=("auto", "workbench", "hf"))
+                   "where it runs, else hf), vllm (vLLM's offline engine in each worker, colocated with the actor; "
+                   "optional: pip install 'grpo-workbench[vllm]', CUDA GPUs only).",
+                   choices=("auto", "workbench", "hf", "vllm"))
     n: int = _f(4, "Responses sampled per prompt (the group size).", min=1)
     temperature: float = _f(1.0, "Sampling temperature.", gt=0)
     top_p: float = _f(1.0, "Nucleus sampling mass.", gt=0)
@@ -160,10 +162,15 @@ class RolloutConfig:
     generation_batch_size: int = _f(64, "Most sequences generated at once.", min=1)
     ignore_eos: bool = _f(False, "Keep sampling past the end-of-sequence token up to data.max_response_length "
                           "(fixed-length benchmarks; as vLLM's ignore_eos).")
-    enforce_eager: bool = _f(False, "Run the workbench engine without CUDA graphs or compiled kernels (slower; for "
-                             "debugging).")
-    free_cache_engine: bool = _f(True, "Free the workbench engine's KV cache and CUDA graphs after each generation, "
-                                 "so the update can use that memory (the graphs are captured again next step).")
+    enforce_eager: bool = _f(False, "Run the workbench or vLLM engine without CUDA graphs or compiled kernels "
+                             "(slower; for debugging).")
+    free_cache_engine: bool = _f(True, "Free the rollout engine's GPU memory after each generation, so the update can "
+                                 "use it: the workbench engine drops its KV cache and CUDA graphs (captured again "
+                                 "next step); vLLM sleeps (sleep mode: its weights and KV cache are released and "
+                                 "woken before the next generation).")
+    gpu_memory_utilization: float = _f(0.5, "vLLM only: the share of each GPU's memory vLLM may take for its weights, "
+                                       "activations and KV cache; the FSDP actor, reference and optimizer live in "
+                                       "the rest. In (0, 1).", gt=0)
 
 
 @dataclass
@@ -193,6 +200,17 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    rollout_is: str | None = _f("token", "Truncated importance sampling between the rollout engine and the "
+                                "trainer (verl's rollout correction, TRL's vllm_importance_sampling_correction): "
+                                "with an engine that returns its sampling log-probs (vllm), each token's policy "
+                                "loss is multiplied by min(exp(old_log_prob - rollout_log_prob), "
+                                "rollout_is_threshold). token: on, per token; null: off (the mismatch metrics "
+                                "rollout/* are logged either way).", choices=("token",))
+    rollout_is_threshold: float = _f(2.0, "Cap of the importance-sampling weight (TIS).", gt=0)
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = _f("grpo", "Advantage estimator: grpo, drgrpo (no std, no length normalisation), rloo, "
                             "reinforce_plus_plus(_baseline), remax (greedy response as baseline), gae (PPO with "
@@ -207,6 +225,7 @@ class AlgorithmConfig:
                          choices=("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs"))
     kl_ctrl: KLControlConfig = _section(KLControlConfig)
     filter_groups: FilterGroupsConfig = _section(FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = _section(RolloutCorrectionConfig)
 
 
 @dataclass
@@ -637,6 +656,13 @@ def validate_config(cfg: Config) -> None:
         problems.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a checkpoint folder)")
     if r.top_p > 1:
         problems.append(f"actor_rollout_ref.rollout.top_p={r.top_p} must be in (0, 1]")
+    if r.gpu_memory_utilization >= 1:
+        problems.append(f"actor_rollout_ref.rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in "
+                        "(0, 1): the actor, reference and optimizer need the rest of the GPU")
+    if r.name == "vllm":
+        from backend.vllm_rollout import config_problems  # checks the installed vLLM; imported when chosen only
+
+        problems.extend(config_problems(cfg))
     if cfg.algorithm.adv_estimator in ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline") and r.n < 2:
         problems.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the responses of one "
                         f"prompt, so actor_rollout_ref.rollout.n must be >= 2 (got {r.n})")

@@ -6,6 +6,8 @@ The batch layout every later phase uses (B = prompts x n, P = longest prompt, R 
     attention_mask  (B, P + R)  1 on real prompt and response tokens
     responses       (B, R)      response token ids (pad after the end)
     response_mask   (B, R)      1 up to and including the EOS token
+    rollout_log_probs (B, R)    the engine's log-prob of each sampled token, fp32, 0 at padding (engines
+                                that report them: vllm)
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class RolloutBatch:
     response_mask: torch.Tensor   # (B, R)
     prompt_index: torch.Tensor    # (B,) which prompt of the input list each row answers
     finish_reasons: list[str]     # "stop" (EOS) or "length" (ran out of max_new_tokens)
+    # (B, R) fp32, the sampling engine's own log-probs of the response tokens, 0 at padding; None when the
+    # engine does not report them. The update corrects for their mismatch with the trainer's (rollout IS).
+    rollout_log_probs: torch.Tensor | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -228,7 +233,7 @@ def concat_rows(parts: list[tuple[RolloutBatch, torch.Tensor]], pad_id: int) -> 
     """The chosen rows (a (k,) index each) of several batches as one batch: prompts re-padded on the
     left, responses on the right, groups renumbered 0.. in order of appearance (DAPO's dynamic sampling
     keeps whole groups from several generation rounds)."""
-    prompts, responses, finish, groups = [], [], [], []
+    prompts, responses, finish, groups, log_probs = [], [], [], [], []
     for number, (batch, rows) in enumerate(parts):
         p = batch.prompt_length
         for i in rows.tolist():
@@ -236,16 +241,21 @@ def concat_rows(parts: list[tuple[RolloutBatch, torch.Tensor]], pad_id: int) -> 
             responses.append(batch.responses[i, :int(batch.response_mask[i].sum())])
             finish.append(batch.finish_reasons[i])
             groups.append((number, int(batch.prompt_index[i])))
+            if batch.rollout_log_probs is not None:
+                log_probs.append(batch.rollout_log_probs[i, :len(responses[-1])])
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)
     lengths = torch.tensor([len(r) for r in responses])
     width = max(int(lengths.max()), 1)
     response_mask = (torch.arange(width) < lengths.unsqueeze(1)).long()
     padded = right_pad(responses, width, pad_id)
     order = {g: k for k, g in enumerate(dict.fromkeys(groups))}
+    rollout_log_probs = None
+    if log_probs and len(log_probs) == len(responses):  # every part came from an engine that reports them
+        rollout_log_probs = torch.stack([torch.nn.functional.pad(lp, (0, width - len(lp))) for lp in log_probs])
     return RolloutBatch(input_ids=torch.cat([prompt_ids, padded], 1),
                         attention_mask=torch.cat([prompt_mask, response_mask], 1), responses=padded,
                         response_mask=response_mask, prompt_index=torch.tensor([order[g] for g in groups]),
-                        finish_reasons=finish)
+                        finish_reasons=finish, rollout_log_probs=rollout_log_probs)
 
 
 class HFGenerateEngine:

@@ -291,6 +291,10 @@ class Trainer:
             token_level_scores = _place_at_last_token(scores, response_mask)  # (B, R)
             tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                        "responses": batch.responses, "response_mask": batch.response_mask}
+            if batch.rollout_log_probs is not None:
+                # The engine's own log-probs (vllm): the update corrects for their mismatch with the
+                # trainer's (algorithm.rollout_correction) and logs it as rollout/*.
+                tensors["rollout_log_probs"] = batch.rollout_log_probs
 
             # ---- log-probs ----
             plan = batch_plan(cfg)

@@ -292,11 +292,16 @@ class WorkerGroup:
         responses = torch.cat([right_pad(list(p["responses"]), width, pad) for p in parts])
         response_mask = torch.cat([right_pad(list(p["response_mask"]), width, 0) for p in parts])
         prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(params.n)], pad)
+        rollout_log_probs = None
+        if all("rollout_log_probs" in p for p in parts):  # (B, R) fp32, 0 at padding
+            rollout_log_probs = torch.cat([torch.nn.functional.pad(p["rollout_log_probs"],
+                                                                   (0, width - p["rollout_log_probs"].shape[1]))
+                                           for p in parts])
         return RolloutBatch(
             input_ids=torch.cat([prompt_ids, responses], 1), attention_mask=torch.cat([prompt_mask, response_mask], 1),
             responses=responses, response_mask=response_mask,
             prompt_index=torch.arange(len(prompts)).repeat_interleave(params.n),
-            finish_reasons=[f for p in parts for f in p["finish_reasons"]])
+            finish_reasons=[f for p in parts for f in p["finish_reasons"]], rollout_log_probs=rollout_log_probs)
 
     def compute_log_prob(self, batch: Batch, progress=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, R) log-probs under the current policy and the entropy, rows split evenly over the ranks."""
@@ -402,11 +407,12 @@ def update_shards(batch: Batch, mini_rows: int, epochs: int, shuffle: bool, worl
 
 
 def _merge(results: list[dict[str, float]]) -> dict[str, float]:
-    """One metrics dict from every rank's: the largest memory peak, the mean of everything else."""
+    """One metrics dict from every rank's: the largest memory peak and the largest of each `*_max`, the mean
+    of everything else."""
     merged = {}
     for key in results[0]:
         values = [r[key] for r in results if key in r]
-        merged[key] = max(values) if key.startswith("perf/") else sum(values) / len(values)
+        merged[key] = max(values) if key.startswith("perf/") or key.endswith("_max") else sum(values) / len(values)
     return merged
 
 

@@ -23,8 +23,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from backend import algos, checkpoint, decode, distributed, lora
 from backend.config import Config, from_dict
-from backend.models import load_model, load_tokenizer
-from backend.rollout import HFGenerateEngine, SamplingParams
+from backend.models import load_model, load_tokenizer, resolve_model
+from backend.rollout import HFGenerateEngine, SamplingParams, eos_ids_of
+from backend.vllm_rollout import VLLMEngine
 
 Batch = dict[str, torch.Tensor]
 
@@ -207,19 +208,26 @@ class ActorRolloutRefWorker(RankWorker):
         self.compiled = compile_layers
         self.clip_low, self.clip_high = arr.actor.clip_range()
         self.policy_loss = algos.get_policy_loss_fn(arr.actor.policy_loss.loss_mode)
+        self.rollout_correction = self.cfg.algorithm.rollout_correction
         self._progress: tuple = ()
         self._peaks = PeakMemory(self.device)
         self._phase = self._peaks.phase
 
     def _rollout_engine(self, dtype: torch.dtype):
         r = self.cfg.actor_rollout_ref.rollout
+        max_len = self.cfg.data.max_prompt_length + self.cfg.data.max_response_length
+        if r.name == "vllm":
+            base = lora.unwrap(self.actor)
+            return VLLMEngine(resolve_model(self.cfg.actor_rollout_ref.model.path), eos_ids_of(base, self.tokenizer),
+                              self.tokenizer.pad_token_id, self.device, dtype, max_len,
+                              gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.generation_batch_size,
+                              enforce_eager=r.enforce_eager, sleep=r.free_cache_engine, seed=self.cfg.trainer.seed)
         reason = decode.unsupported_reason(self.actor.config)
         if r.name == "hf" or (r.name == "auto" and reason):
             return HFGenerateEngine(self.actor, self.tokenizer, r.generation_batch_size, device=self.device,
                                     autocast=False)
         if reason:
             raise ValueError(f"actor_rollout_ref.rollout.name=workbench cannot run this model: {reason}")
-        max_len = self.cfg.data.max_prompt_length + self.cfg.data.max_response_length
         return decode.StaticCacheEngine(lora.unwrap(self.actor), self.tokenizer, r.generation_batch_size,
                                         self.device, dtype, max_len=max_len, cuda_graphs=not r.enforce_eager,
                                         free_after_generate=r.free_cache_engine)
@@ -241,16 +249,20 @@ class ActorRolloutRefWorker(RankWorker):
             return {}
         report = lambda *p: self._report("generation", *p)  # noqa: E731
         with self._phase("gen"):
-            if isinstance(self.rollout, decode.StaticCacheEngine):
-                # The engine keeps its own copy: gather, copy in, and free the gathered weights at once.
+            if isinstance(self.rollout, decode.StaticCacheEngine | VLLMEngine):
+                # The engine keeps its own copy: gather, copy in, and free the gathered weights before it
+                # decodes (vLLM wakes its KV cache only then).
                 with distributed.unsharded(self.actor):
                     self.rollout.load_weights(lora.unwrap(self.actor))
                 batch = self.rollout.generate(prompts, params, first_row=first_row, progress=report)
             else:
                 with distributed.unsharded(self.actor):
                     batch = self.rollout.generate(prompts, params, first_row=first_row, progress=report)
-        return {"responses": batch.responses, "response_mask": batch.response_mask,
-                "finish_reasons": batch.finish_reasons}
+        out = {"responses": batch.responses, "response_mask": batch.response_mask,
+               "finish_reasons": batch.finish_reasons}
+        if batch.rollout_log_probs is not None:
+            out["rollout_log_probs"] = batch.rollout_log_probs
+        return out
 
     # ---- log-probs ----
 
@@ -298,7 +310,10 @@ class ActorRolloutRefWorker(RankWorker):
         advantages, and old_log_probs / ref_log_probs when used. Every `mini_rows` rows are one optimizer
         step; FSDP averages the gradients over ranks, so a step's gradient is that of the whole
         mini-batch's mean loss. Without old_log_probs the update is on-policy: the ratio is exactly 1
-        and only its gradient counts.
+        and only its gradient counts. With rollout_log_probs (the sampling engine's own, vllm) each token's
+        policy loss is weighted by algos.rollout_is_weights against old_log_probs (on-policy: the detached
+        current log-probs) unless algorithm.rollout_correction.rollout_is is null; rollout/* metrics say
+        how far the two engines disagree.
         """
         self._progress = ()
         a = self.cfg.actor_rollout_ref.actor
@@ -310,8 +325,14 @@ class ActorRolloutRefWorker(RankWorker):
         counts: dict[str, int] = {}
 
         def add(name: str, value: torch.Tensor | float) -> None:
+            if name.endswith("_max"):  # a peak over the micro-batches, not a mean
+                sums[name] = value if name not in sums else torch.maximum(torch.as_tensor(sums[name]), value)
+                counts[name] = 1
+                return
             sums[name] = sums.get(name, 0.0) + value
             counts[name] = counts.get(name, 0) + 1
+
+        rc = self.rollout_correction
 
         n_micro_total = math.ceil(total / a.ppo_micro_batch_size_per_gpu)
         done = skipped = 0
@@ -332,9 +353,17 @@ class ActorRolloutRefWorker(RankWorker):
                             self.actor, mb["input_ids"], mb["attention_mask"], response_len, self.temperature,
                             with_entropy=True, entropy_grad=a.entropy_coeff > 0, compiled=self.compiled)
                         old = mb.get("old_log_probs", log_probs.detach())
+                        is_weights = None
+                        if "rollout_log_probs" in mb:
+                            weights, is_metrics = algos.rollout_is_weights(old, mb["rollout_log_probs"], mask,
+                                                                           rc.rollout_is_threshold)
+                            is_weights = weights if rc.rollout_is else None
+                            for k, v in is_metrics.items():
+                                add(k, v)
                         pg_loss, pg_metrics = self.policy_loss(
                             old, log_probs, mb["advantages"], mask, clip_ratio_low=self.clip_low,
-                            clip_ratio_high=self.clip_high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode)
+                            clip_ratio_high=self.clip_high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
+                            rollout_is_weights=is_weights)
                         loss = pg_loss
                         entropy_loss = algos.agg_loss(entropy, mask, a.loss_agg_mode)
                         if a.entropy_coeff:

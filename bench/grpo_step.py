@@ -8,9 +8,14 @@ The first step of each is a warm-up and is not counted.
     python bench/grpo_step.py --tokenizer .tok --steps 4            # GPU machine; TRL wheels installed
     python bench/grpo_step.py --tokenizer ../shared/models/smollm2-tokenizer --small --skip-trl   # CPU check
     python bench/grpo_step.py --realistic --steps 4                 # SmolLM2-135M-Instruct on arithmetic
+    python bench/grpo_step.py --tokenizer .tok --steps 4 --rollout vllm   # the same workload, vLLM generating
 
 --realistic: the second row of the issue: SmolLM2-135M-Instruct with its real weights on the arithmetic
 sample set (chat-templated prompts), responses end at EOS (at most 256 tokens), same algorithm settings.
+
+--rollout: our rollout engine (actor_rollout_ref.rollout.name): auto (the default: the workbench engine here),
+workbench, hf, or vllm (pip install 'grpo-workbench[vllm]'; vLLM takes rollout.gpu_memory_utilization of the GPU,
+0.5 unless overridden). The table's column and the JSON row are labelled with it.
 
 Prints one table (ours, TRL, ratio) and appends both rows to bench/results/<date>-<gpu>.json.
 """
@@ -84,6 +89,8 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=32, help="our responses per forward/backward")
     p.add_argument("--trl-micro-batch", type=int, default=64)
     p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--rollout", default="auto", choices=("auto", "workbench", "hf", "vllm"),
+                   help="our rollout engine (actor_rollout_ref.rollout.name)")
     p.add_argument("--small", action="store_true", help="a 2-layer model and 4 x 4 x 16: checks the script on CPU")
     p.add_argument("--out", default=None)
     p.add_argument("--write-workload", metavar="DIR", default=None,
@@ -125,9 +132,10 @@ def main() -> None:
         "actor_rollout_ref.actor.use_kl_loss=true", f"actor_rollout_ref.actor.kl_loss_coef={KL_COEF}",
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
         f"actor_rollout_ref.actor.optim.lr={LR}", "actor_rollout_ref.actor.optim.weight_decay=0.0",
-        "trainer.logger=[console]",
+        "trainer.logger=[console]", f"actor_rollout_ref.rollout.name={args.rollout}",
     ] + list(args.overrides)
-    ours = engine_step.measure("configs/default.yaml", ours_overrides, args.steps, "ours", model_dir, label)
+    engine = f"ours ({args.rollout})"
+    ours = engine_step.measure("configs/default.yaml", ours_overrides, args.steps, engine, model_dir, label)
     trl = None
     if not args.skip_trl:
         trl = trl_grpo.run_trl(str(model_dir), prompts, steps=args.steps, num_generations=samples,
@@ -159,11 +167,12 @@ def main() -> None:
         "peak allocated (GiB)": (ours.get("peak_allocated_gib"), trl and trl["peak_allocated_gb"]),
         "peak reserved (GiB)": (ours.get("peak_reserved_gib"), trl and trl["peak_reserved_gb"]),
     }
-    print(f"\n| {'':<24} | {'ours':>10} | {'TRL':>10} | {'TRL / ours':>10} |")
-    print(f"|{'-' * 26}|{'-' * 12}|{'-' * 12}|{'-' * 12}|")
+    w = max(10, len(engine))  # our column, headed by the engine
+    print(f"\n| {'':<24} | {engine:>{w}} | {'TRL':>10} | {'TRL / ours':>10} |")
+    print(f"|{'-' * 26}|{'-' * (w + 2)}|{'-' * 12}|{'-' * 12}|")
     for name, (a, b) in table.items():
         ratio = round(b / a, 2) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else None
-        print(f"| {name:<24} | {a!s:>10} | {b!s:>10} | {ratio!s:>10} |")
+        print(f"| {name:<24} | {a!s:>{w}} | {b!s:>10} | {ratio!s:>10} |")
     print(f"our per-phase peaks: { {k: v for k, v in ours.items() if k.startswith('peak_')} }")
 
     device = torch.cuda.get_device_name().replace(" ", "-").lower() if torch.cuda.is_available() else "cpu"
@@ -171,7 +180,8 @@ def main() -> None:
     out = Path(args.out) if args.out else BENCH / "results" / f"{time.strftime('%Y-%m-%d')}-{device}-{kind}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     record = json.loads(out.read_text()) if out.exists() else []
-    record.append({"workload": {"label": label, "prompts": prompts_n, "samples": samples, "response_tokens": response,
+    record.append({"engine": engine,
+                   "workload": {"label": label, "prompts": prompts_n, "samples": samples, "response_tokens": response,
                                 "kl_coef": KL_COEF, "lr": LR, "our_micro_batch": args.micro_batch,
                                 "trl_micro_batch": args.trl_micro_batch, "update_flops": flops},
                    "table": {k: list(v) for k, v in table.items()}, "ours": ours, "trl": trl})
