@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# vLLM on the GPU machine, once its wheels are in /tmp/vllm_carry (they travel in parts over back-to-back
+# calls; docs/performance.md says how): install them into /tmp/site, run the performance workload with
+# vLLM generating (bench/grpo_step.py --rollout vllm), then the vLLM tests (tests/test_vllm_rollout.py).
+#   bash bench/vllm_gpu.sh <tokenizer folder> <output folder>
+set -uo pipefail
+TOK=$(realpath "$1")
+OUT=$(realpath -m "$2")
+mkdir -p "$OUT"
+SITE=${SITE:-/tmp/site}
+CARRY_DIR=${CARRY_DIR:-/tmp/vllm_carry} bash "${CARRY_DIR:-/tmp/vllm_carry}/install.sh" > "$OUT/install.log" 2>&1
+echo "install rc=$?"
+tail -3 "$OUT/install.log"
+export PYTHONPATH="$SITE:$PWD"
+timeout "${STEP_TIMEOUT:-330}" python3 bench/grpo_step.py --tokenizer "$TOK" --steps 4 --skip-trl --rollout vllm \
+  --out "$OUT/vllm-step.json" > "$OUT/vllm-step.log" 2>&1
+echo "bench rc=$?"
+grep -E "^\|" "$OUT/vllm-step.log" || tail -40 "$OUT/vllm-step.log"
+timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -x -q -p no:cacheprovider tests/test_vllm_rollout.py \
+  -k "vllm_in_the_workers or grpo_run_with_vllm" > "$OUT/vllm-tests.log" 2>&1
+echo "tests rc=$?"
+tail -30 "$OUT/vllm-tests.log"
