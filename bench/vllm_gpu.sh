@@ -12,6 +12,8 @@ CARRY_DIR=${CARRY_DIR:-/tmp/vllm_carry} bash "${CARRY_DIR:-/tmp/vllm_carry}/inst
 echo "install rc=$?"
 tail -3 "$OUT/install.log"
 export PYTHONPATH="$SITE:$PWD"
+# vLLM's FlashInfer sampler would compile its kernels on first use; its own PyTorch sampler needs nothing.
+export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 timeout "${STEP_TIMEOUT:-330}" python3 bench/grpo_step.py --tokenizer "$TOK" --steps 4 --skip-trl --rollout vllm \
   --out "$OUT/vllm-step.json" > "$OUT/vllm-step.log" 2>&1
 echo "bench rc=$?"
