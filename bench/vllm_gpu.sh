@@ -10,8 +10,14 @@ mkdir -p "$OUT"
 SITE=${SITE:-/tmp/site}
 CARRY_DIR=${CARRY_DIR:-/tmp/vllm_carry} bash "${CARRY_DIR:-/tmp/vllm_carry}/install.sh" > "$OUT/install.log" 2>&1
 echo "install rc=$?"
-tail -3 "$OUT/install.log"
+# Wheels of packages found missing after that set was planned (bench/vllm_missing_modules.py names them).
+if compgen -G "${CARRY_DIR:-/tmp/vllm_carry}/extra/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "${CARRY_DIR:-/tmp/vllm_carry}"/extra/*.whl \
+    >> "$OUT/install.log" 2>&1
+  echo "extra install rc=$?"
+fi
 export PYTHONPATH="$SITE:$PWD"
+python3 bench/vllm_missing_modules.py 2>&1 | grep -v "^ok" | tail -12
 # vLLM's FlashInfer sampler would compile its kernels on first use; its own PyTorch sampler needs nothing.
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 timeout "${STEP_TIMEOUT:-330}" python3 bench/grpo_step.py --tokenizer "$TOK" --steps 4 --skip-trl --rollout vllm \
