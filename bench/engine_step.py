@@ -89,6 +89,10 @@ def measure(config: str, overrides: list[str], steps: int, label: str = "", mode
     # The first step (warm-up included) from the same seed: what runs on 1 and N GPUs should agree on.
     row["first_step"] = {k: metrics[0].get(k) for k in ("critic/score/mean", "response_length/mean", "actor/pg_loss",
                                                          "actor/kl_loss", "actor/entropy", "actor/grad_norm")}
+    # A rollout engine with its own log-probs (vllm): how far they are from the trainer's, each step.
+    for key in ("rollout/log_prob_diff_mean", "rollout/is_weight_mean", "rollout/is_clipfrac"):
+        if any(key in m for m in metrics):
+            row[key] = [m.get(key) for m in metrics]
     return row
 
 
