@@ -10,7 +10,9 @@ decoder layer P_layer, embeddings + final norm + head P_root), c bytes a value i
     (after the first      + cP/W reference shard, when there is a reference (0: reference offload)
     update)               + cP the rollout engine's own copy of the weights (engine auto/workbench; hf has none)
     generation            KV cache Bg*T*L*2*Hkv*D*c + sampling Bg*V*18 + cP gathered weights
-                          (Bg = min(generation_batch_size, rows per rank))
+                          (Bg = min(generation_batch_size, rows per rank)); vllm: its share of the GPU,
+                          rollout.gpu_memory_utilization x the GPU's memory (held in every phase instead
+                          when rollout.free_cache_engine is off, as vLLM then never sleeps)
     old / ref log-prob    gathered weights G + logits m*R*V*c (a plain head runs inside the vocabulary
                           pass: one chunk's, K*V*c) + the fp32 log-softmax of one chunk of K = 2048
                           positions K*V*8 (old, with entropy: *16; 0 when compiled)
@@ -212,6 +214,8 @@ def lora_params(dims: ModelDims, rank: int, target_modules: list[str]) -> int:
 
 # ---- the plan ----
 
+VLLM_SHARE = "vLLM's share of the GPU (rollout.gpu_memory_utilization)"
+
 @dataclass
 class Phase:
     """One phase of a step on one worker: what sits in memory at its peak (bytes), and its time."""
@@ -390,7 +394,11 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
     T, R = d.max_prompt_length + d.max_response_length, d.max_response_length
     has_ref = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
     engine = getattr(r, "name", "auto")  # auto and workbench keep a copy of the weights; hf samples with the actor's
-    engine_copy = engine != "hf"
+    engine_copy = engine not in ("hf", "vllm")
+    # vLLM takes its share of the GPU for its weights and KV cache; asleep (free_cache_engine) it holds none
+    # of it between generations. The gathered actor is freed before its KV cache wakes, so the share is the
+    # generation's peak.
+    vllm_share = r.gpu_memory_utilization * gpu.memory_gib * GiB if engine == "vllm" and on_gpu and gpu else 0.0
     offload = on_gpu and a.fsdp_config.offload_policy
     ref_offload = on_gpu and ref.fsdp_config.offload_policy
     act = cal["activation_bytes"] * c / 2
@@ -410,6 +418,8 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         held[f"reference shard ({dtype})"] = c * P / W
     if engine_copy:
         held[f"rollout engine weights ({dtype})"] = c * P
+    if vllm_share and not r.free_cache_engine:
+        held[VLLM_SHARE] = vllm_share
     host_per_worker = (16 * P / W if offload else 0.0) + (c * P / W if has_ref and ref_offload and not lora_rank
                                                           else 0.0)
 
@@ -442,6 +452,9 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
     kv = bg * T * L * 2 * dims.kv_heads * dims.head_dim * c
     gen = {"KV cache": kv, "sampling temporaries": bg * V * cal["sampling_bytes_per_vocab"],
            ("weights gathered for the engine copy" if engine_copy else "actor weights gathered for sampling"): c * P}
+    if engine == "vllm":
+        gen = {VLLM_SHARE: vllm_share} if r.free_cache_engine else {"actor weights gathered for the push": c * P}
+        notes.append("vLLM's generation time is not predicted (docs/performance.md has what one H200 measured)")
 
     old_runs = batch_plan(cfg).optimizer_steps_per_step > 1 or cfg.algorithm.use_kl_in_reward
     m_old = min(r.log_prob_micro_batch_size_per_gpu, rows_rank)
@@ -470,7 +483,7 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         return value() if flops else None
 
     step_overhead = cal["decode_step_overhead_hf_s"] + cal["decode_layer_overhead_hf_s"] * L if engine == "hf" else 0.0
-    gen_s = seconds(lambda: math.ceil(rows_rank / bg) * (
+    gen_s = None if engine == "vllm" else seconds(lambda: math.ceil(rows_rank / bg) * (
         R * (step_overhead + (c * P + 0.5 * kv) / bw) + 2 * P * bg * d.max_prompt_length / flops))
 
     def forward_s(m: int) -> float | None:
@@ -514,9 +527,11 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
             p.seconds = None
             continue
         p.allocated = sum(p.terms.values())
-        p.reserved = p.allocated * frag + fixed
+        exact = p.terms.get(VLLM_SHARE, 0.0)  # vLLM maps its share itself, outside PyTorch's allocator
+        p.reserved = (p.allocated - exact) * frag + exact + fixed
     peak = max((p for p in phases if p.runs), key=lambda p: p.reserved)
-    step_s = sum(p.seconds for p in phases if p.runs) if flops else None
+    timed = [p.seconds for p in phases if p.runs]
+    step_s = sum(timed) if flops and None not in timed else None
 
     # ---- verdict ----
     if on_gpu:

@@ -355,3 +355,25 @@ def test_lora_keeps_the_fp32_base_but_drops_its_adam_state_gradients_and_the_ref
     assert lora.held["actor fp32 master shard"] == 4 * (P + trained) / W
     assert not any(k.startswith("reference shard") for k in lora.held)
     assert lora.need_gib < full.need_gib
+
+
+def test_vllm_takes_its_share_of_the_gpu_while_generating_and_none_while_it_sleeps():
+    """vLLM maps its share (weights and KV cache) itself, so the share is counted exactly, not through the
+    allocator's fragmentation; asleep between generations it holds none of it, awake it holds it throughout."""
+    h200 = planner.GPUS["h200"]
+    dims = planner.model_dims("tiny-qwen3")
+    share = 0.3 * 141 * GiB
+    vllm = ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3")
+    asleep = planner._plan(load_config(DEFAULT, ["actor_rollout_ref.model.path=tiny-qwen3", *WORKED[:-1], *vllm],
+                                       validate=False), dims, "cuda", h200, CHOSEN)
+    gen = asleep.phase("generation")
+    assert gen.terms[planner.VLLM_SHARE] == share and planner.VLLM_SHARE not in asleep.held
+    assert not any(k.startswith("rollout engine weights") for k in asleep.held)  # vLLM's copy is in its share
+    assert gen.reserved == (gen.allocated - share) * 1.5 + share + 1 * GiB
+    assert gen.seconds is None and asleep.step_seconds is None
+    assert any("vLLM's generation time is not predicted" in n for n in asleep.notes)
+    awake = planner._plan(load_config(DEFAULT, ["actor_rollout_ref.model.path=tiny-qwen3", *WORKED[:-1], *vllm,
+                                                "actor_rollout_ref.rollout.free_cache_engine=false"], validate=False),
+                          dims, "cuda", h200, CHOSEN)
+    assert all(p.terms[planner.VLLM_SHARE] == share for p in awake.phases if p.runs)
+    assert awake.peak_phase == "update" and awake.need_gib > share / GiB
