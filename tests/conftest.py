@@ -7,10 +7,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-# Triton kernels written for the GPU run in Triton's interpreter on this CPU; it is chosen when Triton is
-# first imported, so before any test imports it.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton kernels written for the GPU run in Triton's interpreter on a machine without one; it is chosen
+# when Triton is first imported, so before any test imports it. On a GPU it must stay off: it is inherited
+# by the Ray workers, where vLLM's compiled Triton kernels would run in the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

@@ -304,8 +304,8 @@ def _gpu_overrides(sample_sets, **extra) -> list[str]:
     return tiny_overrides(sample_sets, **{
         "trainer.device": "cuda", "actor_rollout_ref.rollout.name": "vllm",
         "actor_rollout_ref.rollout.gpu_memory_utilization": 0.2, "actor_rollout_ref.actor.use_torch_compile": "false",
-        # vLLM's torch.compile and graph capture took more than 150 s to start on the H200 for the tiny model;
-        # what these tests check does not depend on them.
+        # vLLM's torch.compile and graph capture add most of a minute to each engine start, and what these
+        # tests check does not depend on them.
         "actor_rollout_ref.rollout.enforce_eager": "true",
         "actor_rollout_ref.actor.ppo_mini_batch_size": 2, "data.max_response_length": 16, **extra})
 
