@@ -15,6 +15,9 @@ from backend.models import load_model, load_tokenizer
 from backend.rollout import HFGenerateEngine, SamplingParams
 
 pytest.importorskip("triton", reason="the kernel is written in Triton (installed with the dev extra)")
+if torch.cuda.is_available():
+    pytest.skip("these run the kernel on CPU tensors in Triton's interpreter, which conftest turns on only where "
+                "there is no GPU; on a GPU, bench/decode_attention_check.py checks it", allow_module_level=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
