@@ -962,6 +962,16 @@ def _row_chunks(n_rows: int, response_len: int) -> list[slice]:
     return [slice(start, start + rows) for start in range(0, n_rows, rows)]
 
 
+def _chunked_forward(chunk_logits: Callable[[slice], Tensor], targets: Tensor, temperature: float,
+                     with_entropy: bool, forward_fn: Callable) -> tuple[Tensor, Tensor | None, Tensor]:
+    """forward_fn over the rows of targets (b, R) a chunk at a time, chunk_logits(rows) giving that chunk's
+    logits; the chunks' (b, R) log-probs, entropies (None unless with_entropy) and log-normalisers."""
+    parts = [forward_fn(chunk_logits(c), targets[c], temperature, with_entropy)
+             for c in _row_chunks(targets.shape[0], targets.shape[1])]
+    return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if with_entropy else None,
+            torch.cat([p[2] for p in parts]))
+
+
 class _VocabPass(torch.autograd.Function):
     """Log-probs and entropies by chunks of rows, keeping only the logits and two (rows, R) vectors for
     backward, which recomputes the softmax chunk by chunk into the logits' gradient."""
@@ -969,11 +979,7 @@ class _VocabPass(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, temperature, with_entropy, fns):
         forward_fn, backward_fn = fns
-        parts = [forward_fn(logits[c], targets[c], temperature, with_entropy)
-                 for c in _row_chunks(logits.shape[0], logits.shape[1])]
-        log_prob = torch.cat([p[0] for p in parts])
-        entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
-        lse = torch.cat([p[2] for p in parts])
+        log_prob, entropy, lse = _chunked_forward(logits.__getitem__, targets, temperature, with_entropy, forward_fn)
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.temperature, ctx.backward_fn = temperature, backward_fn
         ctx.set_materialize_grads(False)
@@ -1009,9 +1015,7 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
         if entropy is not None and not entropy_grad:
             entropy = entropy.detach()
         return log_prob, entropy
-    parts = [fns[0](logits[c], targets[c], temperature, with_entropy)
-             for c in _row_chunks(logits.shape[0], logits.shape[1])]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if with_entropy else None
+    return _chunked_forward(logits.__getitem__, targets, temperature, with_entropy, fns[0])[:2]
 
 
 class _HeadVocabPass(torch.autograd.Function):
@@ -1023,11 +1027,9 @@ class _HeadVocabPass(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, with_entropy, fns):
         forward_fn, backward_fn = fns
-        parts = [forward_fn(hidden[c] @ weight.T, targets[c], temperature, with_entropy)
-                 for c in _row_chunks(hidden.shape[0], hidden.shape[1])]
-        log_prob = torch.cat([p[0] for p in parts])
-        entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
-        ctx.save_for_backward(hidden, weight, targets, torch.cat([p[2] for p in parts]), entropy)
+        log_prob, entropy, lse = _chunked_forward(lambda c: hidden[c] @ weight.T, targets, temperature, with_entropy,
+                                                  forward_fn)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.backward_fn = temperature, backward_fn
         ctx.set_materialize_grads(False)
         return log_prob, entropy
@@ -1070,6 +1072,4 @@ def head_token_log_probs(hidden: Tensor, weight: Tensor, targets: Tensor, temper
         if entropy is not None and not entropy_grad:
             entropy = entropy.detach()
         return log_prob, entropy
-    parts = [fns[0](hidden[c] @ weight.T, targets[c], temperature, with_entropy)
-             for c in _row_chunks(hidden.shape[0], hidden.shape[1])]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if with_entropy else None
+    return _chunked_forward(lambda c: hidden[c] @ weight.T, targets, temperature, with_entropy, fns[0])[:2]

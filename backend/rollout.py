@@ -72,8 +72,10 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def right_pad(seqs: list[torch.Tensor], width: int, pad_id: int) -> torch.Tensor:
-    out = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+def right_pad(seqs: list[torch.Tensor], width: int, pad_id: int | float) -> torch.Tensor:
+    """(len(seqs), width): the rows padded on the right with pad_id; token ids (long) for an int pad, fp32
+    values (log-probs) for a float one."""
+    out = torch.full((len(seqs), width), pad_id, dtype=torch.float32 if isinstance(pad_id, float) else torch.long)
     for i, s in enumerate(seqs):
         out[i, : len(s)] = s
     return out
@@ -251,7 +253,7 @@ def concat_rows(parts: list[tuple[RolloutBatch, torch.Tensor]], pad_id: int) -> 
     order = {g: k for k, g in enumerate(dict.fromkeys(groups))}
     rollout_log_probs = None
     if log_probs and len(log_probs) == len(responses):  # every part came from an engine that reports them
-        rollout_log_probs = torch.stack([torch.nn.functional.pad(lp, (0, width - len(lp))) for lp in log_probs])
+        rollout_log_probs = right_pad(log_probs, width, 0.0)
     return RolloutBatch(input_ids=torch.cat([prompt_ids, padded], 1),
                         attention_mask=torch.cat([prompt_mask, response_mask], 1), responses=padded,
                         response_mask=response_mask, prompt_index=torch.tensor([order[g] for g in groups]),

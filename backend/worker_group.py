@@ -294,9 +294,7 @@ class WorkerGroup:
         prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(params.n)], pad)
         rollout_log_probs = None
         if all("rollout_log_probs" in p for p in parts):  # (B, R) fp32, 0 at padding
-            rollout_log_probs = torch.cat([torch.nn.functional.pad(p["rollout_log_probs"],
-                                                                   (0, width - p["rollout_log_probs"].shape[1]))
-                                           for p in parts])
+            rollout_log_probs = torch.cat([right_pad(list(p["rollout_log_probs"]), width, 0.0) for p in parts])
         return RolloutBatch(
             input_ids=torch.cat([prompt_ids, responses], 1), attention_mask=torch.cat([prompt_mask, response_mask], 1),
             responses=responses, response_mask=response_mask,

@@ -208,7 +208,6 @@ class ActorRolloutRefWorker(RankWorker):
         self.compiled = compile_layers
         self.clip_low, self.clip_high = arr.actor.clip_range()
         self.policy_loss = algos.get_policy_loss_fn(arr.actor.policy_loss.loss_mode)
-        self.rollout_correction = self.cfg.algorithm.rollout_correction
         self._progress: tuple = ()
         self._peaks = PeakMemory(self.device)
         self._phase = self._peaks.phase
@@ -332,7 +331,7 @@ class ActorRolloutRefWorker(RankWorker):
             sums[name] = sums.get(name, 0.0) + value
             counts[name] = counts.get(name, 0) + 1
 
-        rc = self.rollout_correction
+        rc = self.cfg.algorithm.rollout_correction
 
         n_micro_total = math.ceil(total / a.ppo_micro_batch_size_per_gpu)
         done = skipped = 0
