@@ -9,6 +9,7 @@ OUT=$(realpath -m "$2")
 mkdir -p "$OUT"
 SITE=${SITE:-/tmp/site}
 CARRY_DIR=${CARRY_DIR:-/tmp/vllm_carry} bash "${CARRY_DIR:-/tmp/vllm_carry}/install.sh" > "$OUT/install.log" 2>&1
+# Its closing import check fails until the extra wheels below are in (rc=1, "No module named 'llguidance'").
 echo "install rc=$?"
 # Wheels of packages found missing after that set was planned (bench/vllm_missing_modules.py names them).
 if compgen -G "${CARRY_DIR:-/tmp/vllm_carry}/extra/*.whl" > /dev/null; then
@@ -20,11 +21,20 @@ export PYTHONPATH="$SITE:$PWD"
 python3 bench/vllm_missing_modules.py 2>&1 | grep -v "^ok" | tail -12
 # vLLM's FlashInfer sampler would compile its kernels on first use; its own PyTorch sampler needs nothing.
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
-timeout "${STEP_TIMEOUT:-330}" python3 bench/grpo_step.py --tokenizer "$TOK" --steps 4 --skip-trl --rollout vllm \
-  --out "$OUT/vllm-step.json" > "$OUT/vllm-step.log" 2>&1
-echo "bench rc=$?"
-grep -E "^\|" "$OUT/vllm-step.log" || tail -40 "$OUT/vllm-step.log"
-timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -x -q -p no:cacheprovider tests/test_vllm_rollout.py \
+# RUN_STEP=0 runs the tests alone.
+if [ "${RUN_STEP:-1}" = 1 ]; then
+  # The device's own memory use, sampled while the workload runs: PyTorch's counters include vLLM's pool
+  # even while it sleeps, so they cannot show what the update really holds.
+  nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 250 > "$OUT/device-memory.csv" \
+    2>/dev/null &
+  SMI=$!
+  timeout "${STEP_TIMEOUT:-330}" python3 bench/grpo_step.py --tokenizer "$TOK" --steps 4 --skip-trl --rollout vllm \
+    --out "$OUT/vllm-step.json" > "$OUT/vllm-step.log" 2>&1
+  echo "bench rc=$?"
+  kill "$SMI" 2>/dev/null
+  grep -E "^\|" "$OUT/vllm-step.log" || tail -40 "$OUT/vllm-step.log"
+fi
+timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_vllm_rollout.py \
   -k "vllm_in_the_workers or grpo_run_with_vllm" > "$OUT/vllm-tests.log" 2>&1
 echo "tests rc=$?"
 tail -30 "$OUT/vllm-tests.log"

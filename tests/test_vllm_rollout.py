@@ -332,8 +332,9 @@ def test_vllm_in_the_workers_samples_reproducibly_with_the_actors_weights_after_
         before = group.compute_log_prob(tensors)[0]
         assert (first.rollout_log_probs - before)[mask].abs().mean() < 0.05  # bf16 engines, same weights
         tensors["advantages"] = torch.randn(first.responses.shape[0], 1).expand_as(before).contiguous()
-        group.update_actor({**tensors, "rollout_log_probs": first.rollout_log_probs}, mini_rows=8, epochs=1,
-                           shuffle=False)
+        # The default config's KL loss needs reference log-probs; the policy before the update serves.
+        group.update_actor({**tensors, "rollout_log_probs": first.rollout_log_probs, "ref_log_probs": before},
+                           mini_rows=8, epochs=1, shuffle=False)
         after = group.compute_log_prob(tensors)[0]
         assert (after - before)[mask].abs().mean() > 0.1  # lr 1e-2 moved the policy
         # The next generation samples with the updated weights: its log-probs are the trainer's new ones.
