@@ -130,6 +130,11 @@ class ActorConfig:
     entropy_coeff: float = _f(0.0, "Entropy bonus weight (0 = off).", min=0)
     use_torch_compile: bool = _f(True, "On GPUs, compile each decoder layer's forward with torch.compile (actor "
                                  "and reference): faster steps after a one-off compilation.")
+    activation_memory_budget: float = _f(1.0, "With use_torch_compile on GPUs: the share (0-1] of the compiled "
+                                         "layers' activations kept for backward. Below 1, torch.compile "
+                                         "recomputes the cheapest of the rest in backward (selective "
+                                         "checkpointing): less memory for a little compute, so larger "
+                                         "micro-batches fit.", gt=0)
     nan_policy: str = _f("skip", "What an optimizer step with a non-finite loss or gradient norm does: skip (drop "
                          "that step, keep training, warn) or stop (end the run as failed; the last checkpoint "
                          "stays).", choices=("skip", "stop"))
@@ -656,6 +661,9 @@ def validate_config(cfg: Config) -> None:
         problems.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a checkpoint folder)")
     if r.top_p > 1:
         problems.append(f"actor_rollout_ref.rollout.top_p={r.top_p} must be in (0, 1]")
+    if a.activation_memory_budget > 1:
+        problems.append(f"actor_rollout_ref.actor.activation_memory_budget={a.activation_memory_budget} must be in "
+                        "(0, 1]: the share of activations kept (1 keeps them all)")
     if r.gpu_memory_utilization >= 1:
         problems.append(f"actor_rollout_ref.rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in "
                         "(0, 1): the actor, reference and optimizer need the rest of the GPU")

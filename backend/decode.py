@@ -114,7 +114,8 @@ class StaticCacheEngine:
 
     model: the actor (possibly FSDP-sharded); it is read only by `load_weights`, which must be called
     while its parameters are whole (under `distributed.unsharded`) before the first `generate` and
-    after every update. max_len: the longest prompt plus response expected, to size the cache.
+    after every update (with free_after_generate, before every `generate`). max_len: the longest prompt
+    plus response expected, to size the cache.
     """
 
     def __init__(self, model, tokenizer, batch_size: int, device: torch.device, dtype: torch.dtype,
@@ -151,8 +152,9 @@ class StaticCacheEngine:
 
     @torch.no_grad()
     def load_weights(self, model) -> None:
-        """Copy the model's current (whole, gathered) weights into the engine's buffers: allocated on the
-        first call, overwritten in place (slice by slice, no temporary) on later ones."""
+        """Copy the model's current (whole, gathered) weights into the engine's buffers: allocated when
+        the engine holds none (the first call, or after `release`), else overwritten in place (slice by
+        slice, no temporary)."""
         base = model.model
         first = not self.layers
         for i, layer in enumerate(base.layers):
@@ -279,9 +281,11 @@ class StaticCacheEngine:
         self.graphs.clear()
 
     def release(self) -> None:
-        """Free the KV cache, the step state and the captured graphs (they hold the cache's addresses),
-        so the training phases get that memory; the next `generate` allocates and captures again."""
+        """Free the KV cache, the step state, the captured graphs (they hold the cache's addresses) and the
+        weights, so the training phases get that memory: the weights are stale once the update runs, and
+        the next `load_weights` allocates them again, as the next `generate` does the cache and graphs."""
         self.cache, self.state = [], {}
+        self.layers, self.embed, self.norm, self.lm_head = [], None, None, None
         self.graphs.clear()
         self.pool = None
 

@@ -49,6 +49,7 @@ OWN_KEYS = frozenset({
     "trainer.export_at_end",
     "trainer.stall_warning_s",
     "trainer.token_log_max",
+    "actor_rollout_ref.actor.activation_memory_budget",  # a torch.compile setting verl does not expose
     "trainer.rollout_log_max",
     "trainer.runs_root",
     "trainer.device",

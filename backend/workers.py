@@ -19,6 +19,7 @@ from pathlib import Path
 
 import ray
 import torch
+import torch._functorch.config
 from torch.distributed.fsdp import FSDPModule
 
 from backend import algos, checkpoint, decode, distributed, lora
@@ -175,6 +176,10 @@ class ActorRolloutRefWorker(RankWorker):
         dtype = distributed.param_dtype(arr.actor.fsdp_config.param_dtype, self.device)
 
         compile_layers = arr.actor.use_torch_compile and self.device.type == "cuda"
+        if compile_layers:
+            # Read by the partitioner of every compiled graph with a backward in this process: only the
+            # actor's layers train here (the reference and the vocabulary pass compile forward graphs).
+            torch._functorch.config.activation_memory_budget = arr.actor.activation_memory_budget
         self.actor = load_model(arr.model.path, torch.device("cpu"))  # fp32 master weights, sharded below
         if arr.model.enable_gradient_checkpointing:
             self.actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Before and after a change, in one call on the GPU machine: our step on the workload
-# (bench/grpo_step.py --skip-trl) from an earlier tree and from this one, alternating, then this tree at
-# micro-batches of 64, with PyTorch's default allocator and with expandable segments (bench/perf_probe.sh
-# profiles). Calls differ by up to 50% in update time, so only runs of the same call compare.
+# (bench/grpo_step.py --skip-trl) from an earlier tree and from this one. Calls differ by up to 50% in
+# update time, so only runs of the same call compare.
 #   git archive <commit> | tar -x -C .base      # the earlier tree, carried as an ignored folder
-#   bash bench/perf_ab.sh <tokenizer folder> <earlier tree> <output folder>
+#   bash bench/perf_ab.sh <tokenizer folder> <earlier tree> <output folder> [run ...]
+# A run is "<name> <base|new> [grpo_step arguments]", one quoted argument each, in the order given; with
+# none: base and this tree alternately, then this tree at micro-batches of 64 (the 2026-12-01 set).
 set -uo pipefail
 TOK=$(realpath "$1")
 BASE=$(realpath "$2")
@@ -21,8 +22,14 @@ step() {  # step <tree> <name> [grpo_step args]
   local rc=$?
   echo "$name rc=$rc $(python3 -c "import json,sys; t=json.load(open(sys.argv[1]))[-1]['table']; print({k: v[0] for k, v in t.items()})" "$OUT/$name.json" 2>&1 | tail -1)"
 }
-step "$BASE" base-1
-step "$HERE" new-1
-step "$HERE" new-micro64 --micro-batch 64
-step "$BASE" base-2
-PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step "$HERE" new-micro64-expandable --micro-batch 64
+if [ $# -le 3 ]; then
+  set -- "$@" "base-1 base" "new-1 new" "new-micro64 new --micro-batch 64" "base-2 base"
+fi
+shift 3
+for run in "$@"; do
+  read -r name which args <<< "$run"
+  tree=$HERE
+  [ "$which" = base ] && tree=$BASE
+  # shellcheck disable=SC2086  # the run's arguments split on spaces by design
+  step "$tree" "$name" $args
+done

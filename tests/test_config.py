@@ -66,6 +66,14 @@ def test_zero_and_negative_sizes_are_rejected():
     assert any("actor_rollout_ref.actor.optim.lr=-1.0 must be > 0" in p for p in problems)
 
 
+def test_an_activation_memory_budget_outside_0_to_1_is_refused_with_its_range():
+    [msg] = problems_of("actor_rollout_ref.actor.activation_memory_budget=1.5")
+    assert msg == ("actor_rollout_ref.actor.activation_memory_budget=1.5 must be in (0, 1]: the share of "
+                   "activations kept (1 keeps them all)")
+    [msg] = problems_of("actor_rollout_ref.actor.activation_memory_budget=0")
+    assert msg == "actor_rollout_ref.actor.activation_memory_budget=0.0 must be > 0"
+
+
 def test_batch_size_not_divisible_by_mini_batch_suggests_divisors():
     problems = problems_of("data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4")
     assert ("data.train_batch_size=6 is not divisible by actor_rollout_ref.actor.ppo_mini_batch_size=4: "

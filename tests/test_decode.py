@@ -23,10 +23,11 @@ SETTINGS = [
 ]
 
 
-def _engines(name: str, batch_size: int):
+def _engines(name: str, batch_size: int, free_after_generate: bool = True):
     model = load_model(name, torch.device("cpu")).eval()
     tokenizer = load_tokenizer(name)
-    ours = StaticCacheEngine(model, tokenizer, batch_size, torch.device("cpu"), torch.float32, max_len=64)
+    ours = StaticCacheEngine(model, tokenizer, batch_size, torch.device("cpu"), torch.float32, max_len=64,
+                             free_after_generate=free_after_generate)
     ours.load_weights(model)
     return model, tokenizer, ours, HFGenerateEngine(model, tokenizer, batch_size=batch_size)
 
@@ -47,7 +48,7 @@ def test_the_engine_generates_what_hugging_face_generate_does(name, params):
 
 
 def test_the_engine_follows_the_weights_it_is_given():
-    model, tokenizer, ours, _ = _engines("tiny-llama", batch_size=8)
+    model, tokenizer, ours, _ = _engines("tiny-llama", batch_size=8, free_after_generate=False)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     params = SamplingParams(n=1, max_new_tokens=12, greedy=True)
     before = ours.generate(prompts, params).responses
@@ -74,3 +75,17 @@ def test_models_the_engine_cannot_run_are_named_with_the_reason(tmp_path, sample
     assert any("rollout.name=workbench cannot run" in p and "GPT2LMHeadModel" in p for p in problems), problems
     auto = load_config("configs/default.yaml", tiny_overrides(sample_sets) + [f"actor_rollout_ref.model.path={gpt2}"])
     assert not any("rollout.name" in p for p in checks.preflight(auto))
+
+
+def test_an_engine_that_frees_after_generating_drops_its_stale_weights_until_it_is_given_new_ones():
+    model, tokenizer, ours, hf = _engines("tiny-qwen3", batch_size=8)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    params = SamplingParams(n=2, max_new_tokens=12, seed=2)
+    first = ours.generate(prompts, params).responses
+    assert ours.layers == [] and ours.embed is None and ours.lm_head is None and ours.cache == []
+    with pytest.raises(RuntimeError, match="before load_weights"):
+        ours.generate(prompts, params)
+    ours.load_weights(model)
+    assert torch.equal(ours.generate(prompts, params).responses, first)
+    assert torch.equal(first, hf.generate(prompts, params).responses)
+

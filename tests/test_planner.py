@@ -56,14 +56,17 @@ def test_tiny_qwen3_dimensions_come_from_its_config_and_a_meta_instance():
     assert planner.model_dims("tiny-qwen3") is dims  # cached per path
 
 
-def test_held_memory_is_the_sharded_actor_reference_and_the_engines_full_copy(worked):
+def test_held_memory_is_the_sharded_actor_and_reference_and_the_engines_copy_only_if_it_is_kept(worked):
     W, c = 2, 2
     assert worked.held == {"actor fp32 master shard": 4 * P / W,   # 213,760
                            "AdamW states": 8 * P / W,               # 427,520
                            "fp32 gradients": 4 * P / W,             # 213,760
-                           "reference shard (bf16)": c * P / W,     # 106,880
-                           "rollout engine weights (bf16)": c * P}  # 213,760
-    assert sum(worked.held.values()) == 1_175_680
+                           "reference shard (bf16)": c * P / W}     # 106,880
+    assert sum(worked.held.values()) == 961_920
+    # an engine that keeps its cache (free_cache_engine off) keeps its weights through every phase too
+    kept = planner.plan(tiny(*WORKED, "actor_rollout_ref.rollout.free_cache_engine=false"), gpu="h200",
+                        calibration=CHOSEN)
+    assert kept.held["rollout engine weights (bf16)"] == c * P  # 213,760
     assert (worked.rows_per_step, worked.rows_per_rank, worked.seq_len, worked.response_len) == (16, 8, 128, 28)
 
 
@@ -73,8 +76,9 @@ def test_generation_terms(worked):
     own = {k: v for k, v in gen.terms.items() if k not in worked.held}
     assert own == {"KV cache": bg * T * L * 2 * HKV * D * c,                   # 163,840
                    "sampling temporaries": bg * V * 26,                        # 66,560
-                   "weights gathered for the engine copy": c * P}              # 213,760
-    assert gen.allocated == 1_175_680 + 163_840 + 66_560 + 213_760
+                   "weights gathered for the engine copy": c * P,              # 213,760
+                   "rollout engine weights (bf16)": c * P}                     # 213,760, freed after it
+    assert gen.allocated == 961_920 + 163_840 + 66_560 + 213_760 + 213_760
     assert gen.reserved == gen.allocated * 1.5 + 1 * GiB
 
 
@@ -114,10 +118,10 @@ def test_update_terms_with_and_without_gradient_checkpointing(worked):
                    "logits + gradient": 2 * m * R * V * c,  # 229,376: 112 positions, within one chunk
                    "fp32 gradient sum of the head": 4 * V * H,  # 131,072
                    "gathered weights": c * (P_LAYER + P_ROOT)}
-    assert update.allocated == 1_175_680 + 655_360 + 229_376 + 131_072 + 139_712
+    assert update.allocated == 961_920 + 655_360 + 229_376 + 131_072 + 139_712
     # the update holds more of its own (1,155,520, m=4) than the reference pass (893,376, m=8)
     ref = worked.phase("reference log-prob")
-    assert ref.allocated == 1_175_680 + 139_712 + 229_376 + 524_288
+    assert ref.allocated == 961_920 + 139_712 + 229_376 + 524_288
     assert worked.peak_phase == "update" and worked.need_gib == update.reserved / GiB
 
     gc = planner.plan(tiny(*WORKED, "actor_rollout_ref.model.enable_gradient_checkpointing=true"), gpu="h200",
@@ -125,6 +129,15 @@ def test_update_terms_with_and_without_gradient_checkpointing(worked):
     assert gc.terms["checkpointed layer inputs"] == m * T * H * c * L  # 131,072
     assert gc.terms["activations of one layer"] == m * T * H * A       # 327,680
     assert "activations kept for backward" not in gc.terms
+
+    # compiled layers keep the activation_memory_budget share; eager ones keep all, whatever the budget
+    half = planner.plan(tiny(*WORKED, "actor_rollout_ref.actor.activation_memory_budget=0.5"), gpu="h200",
+                        calibration=CHOSEN).phase("update")
+    assert half.terms["activations kept for backward"] == m * T * L * H * A * 0.5
+    eager = planner.plan(tiny(*WORKED, "actor_rollout_ref.actor.activation_memory_budget=0.5",
+                              "actor_rollout_ref.actor.use_torch_compile=false"), gpu="h200",
+                         calibration=CHOSEN).phase("update")
+    assert eager.terms["activations kept for backward"] == m * T * L * H * A
 
 
 def test_step_time_terms(worked):
@@ -207,6 +220,7 @@ def test_a_config_that_does_not_fit_gets_suggestions_that_replanning_confirms():
     assert micro.fits and micro.changes[0][1] < 256
     assert 1024 % micro.changes[0][1] == 0  # divides a rank's mini-batch, so the changed config is valid
     assert "actor_rollout_ref.model.enable_gradient_checkpointing" in by_key
+    assert by_key["actor_rollout_ref.actor.activation_memory_budget"].changes[0][1] < 1  # compiled layers recompute
     for s in p.suggestions:
         again = planner.plan(tiny(*HUGE, *s.overrides), gpu="l4")
         assert again.need_gib == pytest.approx(s.need_gib)
