@@ -86,7 +86,10 @@ def main() -> None:
     p.add_argument("--tokenizer", help="tokenizer folder for the random workload model")
     p.add_argument("--realistic", action="store_true", help="SmolLM2-135M-Instruct on the arithmetic set")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--micro-batch", type=int, default=32, help="our responses per forward/backward")
+    p.add_argument("--micro-batch", type=int, default=64,
+                   help="our responses per forward/backward (at most a step's responses)")
+    p.add_argument("--activation-memory-budget", type=float, default=0.7,
+                   help="our actor.activation_memory_budget: what keeps micro-batches of 64 within 40 GiB")
     p.add_argument("--trl-micro-batch", type=int, default=64)
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--rollout", default="auto", choices=("auto", "workbench", "hf", "vllm"),
@@ -127,8 +130,9 @@ def main() -> None:
         f"data.max_response_length={response}", f"actor_rollout_ref.rollout.n={samples}",
         f"actor_rollout_ref.rollout.generation_batch_size={rows}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts_n}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch}",
-        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={args.micro_batch * 2}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={min(args.micro_batch, rows)}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={min(args.micro_batch * 2, rows)}",
+        f"actor_rollout_ref.actor.activation_memory_budget={args.activation_memory_budget}",
         "actor_rollout_ref.actor.use_kl_loss=true", f"actor_rollout_ref.actor.kl_loss_coef={KL_COEF}",
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
         f"actor_rollout_ref.actor.optim.lr={LR}", "actor_rollout_ref.actor.optim.weight_decay=0.0",
@@ -182,7 +186,8 @@ def main() -> None:
     record = json.loads(out.read_text()) if out.exists() else []
     record.append({"engine": engine,
                    "workload": {"label": label, "prompts": prompts_n, "samples": samples, "response_tokens": response,
-                                "kl_coef": KL_COEF, "lr": LR, "our_micro_batch": args.micro_batch,
+                                "kl_coef": KL_COEF, "lr": LR, "our_micro_batch": min(args.micro_batch, rows),
+                                "our_activation_memory_budget": args.activation_memory_budget,
                                 "trl_micro_batch": args.trl_micro_batch, "update_flops": flops},
                    "table": {k: list(v) for k, v in table.items()}, "ours": ours, "trl": trl})
     out.write_text(json.dumps(record, indent=1))

@@ -5,7 +5,7 @@
 #   git archive <commit> | tar -x -C .base      # the earlier tree, carried as an ignored folder
 #   bash bench/perf_ab.sh <tokenizer folder> <earlier tree> <output folder> [run ...]
 # A run is "<name> <base|new> [grpo_step arguments]", one quoted argument each, in the order given; with
-# none: base and this tree alternately, then this tree at micro-batches of 64 (the 2026-12-01 set).
+# none: base and this tree alternately, twice each.
 set -uo pipefail
 TOK=$(realpath "$1")
 BASE=$(realpath "$2")
@@ -23,7 +23,7 @@ step() {  # step <tree> <name> [grpo_step args]
   echo "$name rc=$rc $(python3 -c "import json,sys; t=json.load(open(sys.argv[1]))[-1]['table']; print({k: v[0] for k, v in t.items()})" "$OUT/$name.json" 2>&1 | tail -1)"
 }
 if [ $# -le 3 ]; then
-  set -- "$@" "base-1 base" "new-1 new" "new-micro64 new --micro-batch 64" "base-2 base"
+  set -- "$@" "base-1 base" "new-1 new" "base-2 base" "new-2 new"
 fi
 shift 3
 for run in "$@"; do
