@@ -88,4 +88,3 @@ def test_an_engine_that_frees_after_generating_drops_its_stale_weights_until_it_
     ours.load_weights(model)
     assert torch.equal(ours.generate(prompts, params).responses, first)
     assert torch.equal(first, hf.generate(prompts, params).responses)
-
