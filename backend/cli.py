@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -83,12 +84,26 @@ def _train(cfg, run_dir: str | None, *, quiet: bool) -> tuple[int, Path]:
         trainer.train()
     except RunStopped:
         print("run stopped; continue it with trainer.resume_mode=auto", file=sys.stderr)
-        return 3, trainer.run.root
+        _end_stopped_process()
     finally:
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         log.close()
     print(f"done: {trainer.run.root}")
     return 0, trainer.run.root
+
+
+def _end_stopped_process() -> None:
+    """End this process now (exit code 3): a stop signal asked it to, and the run has recorded that it
+    stopped (status, metrics, trackers closed). The private Ray it started is killed, not shut down: the
+    signal reaches Ray's processes too (the launcher signals the run's whole process group), and releasing
+    the workers then waited on a raylet already going and never returned, so every stopped run outlived the
+    launcher's grace and was killed at its end."""
+    from backend.worker_group import end_children
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    end_children()
+    os._exit(3)
 
 
 def cmd_recipe(args: argparse.Namespace) -> int:

@@ -116,12 +116,12 @@ def start_ray(cfg: Config) -> None:
             # runs at once that can run out. The processes of the failed start are ours to end.
             if "timed out during startup" not in str(e) or attempt == RAY_START_ATTEMPTS:
                 raise
-            _end_children()
+            end_children()
             ray.shutdown()
 
 
-def _end_children() -> None:
-    """Kill every process this one started (here: a half-started Ray) and wait for them."""
+def end_children() -> None:
+    """Kill every process this one started (a half-started Ray, or a stopped run's) and wait for them."""
     import psutil
 
     children = psutil.Process().children(recursive=True)
