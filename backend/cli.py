@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import sys
+import traceback
 from pathlib import Path
 
 from backend.config import ConfigError
@@ -74,6 +75,7 @@ def _train(cfg, run_dir: str | None, *, quiet: bool) -> tuple[int, Path]:
     """Train `cfg` with the console teed into the run's logs/train.log; (exit code, run directory)."""
     _quiet_transformers()
     from backend.trainer import RunStopped, Trainer
+    from backend.worker_group import WorkerError
 
     trainer = Trainer(cfg, run_dir, show_progress=not quiet)
     trainer.run.create()
@@ -85,6 +87,11 @@ def _train(cfg, run_dir: str | None, *, quiet: bool) -> tuple[int, Path]:
     except RunStopped:
         print("run stopped; continue it with trainer.resume_mode=auto", file=sys.stderr)
         _end_stopped_process()
+    except WorkerError:
+        # Printed here, not by Ray's exception hook: that hook reports the error to the Ray head first, and
+        # with the head gone it blocked until Ray ended the process 60 s later, printing nothing.
+        traceback.print_exc()
+        return 1, trainer.run.root
     finally:
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         log.close()
