@@ -172,6 +172,34 @@ def test_the_head_fused_into_the_vocabulary_pass_gives_the_log_probs_and_gradien
     torch.testing.assert_close(fused[1], weight.grad)
 
 
+def test_the_compiled_vocabulary_pass_is_one_graph_for_chunks_of_any_size_with_the_vocabulary_constant():
+    """What `compiled=True` runs on GPUs, traced here by a backend that records each graph's input shapes:
+    the positions are symbolic and the vocabulary is not (a symbolic vocabulary made the backward's index
+    arithmetic per element its cost), and the results are the eager functions'."""
+    graphs: list[list[tuple]] = []
+
+    def recording(gm, example_inputs):
+        graphs.append([tuple(n.meta["example_value"].shape) for n in gm.graph.nodes
+                       if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)])
+        return gm.forward
+
+    forward = algos._over_positions(torch.compile(algos._vocab_forward, backend=recording))
+    backward = algos._over_positions(torch.compile(algos._vocab_backward, backend=recording))
+    for rows, r in ((3, 5), (2, 7), (4, 1)):
+        logits, targets = torch.randn(rows, r, 11), torch.randint(0, 11, (rows, r))
+        got = forward(logits, targets, 0.7, True)
+        for a, b in zip(got, algos._vocab_forward(logits, targets, 0.7, True), strict=True):
+            torch.testing.assert_close(a, b)
+        grads = torch.randn(rows, r), torch.randn(rows, r)
+        torch.testing.assert_close(backward(logits, targets, 0.7, got[2], got[1], *grads),
+                                   algos._vocab_backward(logits, targets, 0.7, got[2], got[1], *grads))
+    assert len(graphs) == 2  # one forward and one backward for all three sizes
+    for shapes in graphs:
+        assert all(isinstance(shape[0], torch.SymInt) for shape in shapes)
+    vocab = graphs[0][0][1]  # the forward's logits (positions, V)
+    assert vocab == 11 and isinstance(vocab, int)
+
+
 def test_a_model_whose_head_runs_in_the_vocabulary_pass_gets_the_gradients_of_its_full_logits(tiny_tokenizer):
     """response_log_probs never builds the (b, R, V) logits; every parameter, the tied head and
     embedding included, gets the gradient it gets through the model's own logits."""
