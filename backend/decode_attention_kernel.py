@@ -30,10 +30,11 @@ def attend_block(start, end, q, m, total, acc, row, head, d, k_ptr, v_ptr, valid
     return m_new, total, acc
 
 @triton.jit
-def decode_attention_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, out_ptr, scale,
+def decode_attention_kernel(q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr, valid_ptr, slot_ptr, out_ptr, scale,
                             stride_qb, stride_qh, stride_qg,
                             stride_kb, stride_kh, stride_ks,
                             stride_vb, stride_vh, stride_vs,
+                            stride_knb, stride_knh, stride_vnb, stride_vnh,
                             stride_valid_b, stride_ob, stride_oh, stride_og,
                             G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                             PIPELINED: tl.constexpr):
@@ -43,7 +44,15 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, out_ptr, s
     d = tl.arange(0, D)
     q = tl.load(q_ptr + row * stride_qb + head * stride_qh + g[:, None] * stride_qg + d[None, :],
                 mask=g[:, None] < G, other=0.0)
-    end = tl.load(slot_ptr).to(tl.int32) + 1  # slots [0, slot] are written, the newest at `slot`
+    newest = tl.load(slot_ptr).to(tl.int32)
+    # The newest key and value go into the cache here (one kernel instead of two copies a layer) and are
+    # attended from registers: the loop below reads the slots before them, so no program reads back
+    # what another thread of it has just stored.
+    k_new = tl.load(k_new_ptr + row * stride_knb + head * stride_knh + d)
+    v_new = tl.load(v_new_ptr + row * stride_vnb + head * stride_vnh + d)
+    tl.store(k_ptr + row * stride_kb + head * stride_kh + newest * stride_ks + d, k_new)
+    tl.store(v_ptr + row * stride_vb + head * stride_vh + newest * stride_vs + d, v_new)
+    end = newest  # slots [0, newest) come from the cache
     m = tl.full((G_PAD,), float("-inf"), tl.float32)
     total = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D), tl.float32)
@@ -61,6 +70,16 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, out_ptr, s
                                          scale, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
                                          stride_vs, stride_valid_b, BLOCK)
             start += BLOCK
+    # The newest slot, the same running-softmax update as a block of one.
+    keep = tl.load(valid_ptr + row * stride_valid_b + newest) != 0
+    score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale  # (G_PAD,)
+    score = tl.where(keep, score, float("-inf"))
+    m_new = tl.maximum(m, score)
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(score - shift)
+    alpha = tl.exp(m - shift)
+    total = total * alpha + p
+    acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
     out = acc / total[:, None]
     tl.store(out_ptr + row * stride_ob + head * stride_oh + g[:, None] * stride_og + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=g[:, None] < G)

@@ -141,8 +141,11 @@ def sample_tokens(scores: torch.Tensor, params: SamplingParams, seed: int | torc
     """
     if params.greedy:
         return scores.argmax(-1)
-    probs = torch.softmax(warp_logits(scores, params.temperature, params.top_k, params.top_p), dim=-1)
-    return invert_cdf(probs, counter_uniform(seed, rows, position))
+    warped = warp_logits(scores, params.temperature, params.top_k, params.top_p)
+    # Unnormalised probabilities: invert_cdf takes any total, so softmax's division is not needed, and
+    # compiled (the workbench engine on GPUs) the weights are recomputed where read, never written whole.
+    weights = torch.exp(warped - warped.max(-1, keepdim=True).values)
+    return invert_cdf(weights, counter_uniform(seed, rows, position))
 
 
 CDF_BLOCK = 1024  # tokens per block of invert_cdf's first level

@@ -61,12 +61,15 @@ def main() -> None:
     rows = []
     for written in (16, 64, 136, 200, slots):
         slot = torch.tensor([written - 1], device=dev)
-        out = decode_attention(q, k_cache, v_cache, valid, slot)
+        # The newest slot's own key and value: the kernel writes them back where they already are.
+        k_new, v_new = k_cache[:, :, written - 1], v_cache[:, :, written - 1]
+        out = decode_attention(q, k_cache, v_cache, k_new, v_new, valid, slot)
         keys, values = k_cache[:, :, :written].float(), v_cache[:, :, :written].float()
         ref = F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=valid[:, None, None, :written])
         bucket = min(slots, -(-written // 32) * 32)
         mask = (valid[:, :bucket] & (torch.arange(bucket, device=dev) < written)).view(b, 1, 1, bucket)
-        kernel_ms = timed(lambda slot=slot: decode_attention(q, k_cache, v_cache, valid, slot))
+        kernel_ms = timed(lambda slot=slot, k_new=k_new, v_new=v_new: decode_attention(
+            q, k_cache, v_cache, k_new, v_new, valid, slot))
         torch_ms = timed(lambda bucket=bucket, mask=mask: F.scaled_dot_product_attention(
             q, k_cache[:, :, :bucket], v_cache[:, :, :bucket], attn_mask=mask))
         read_gb = 2 * b * n_kv * written * d * 2 / 1e9
@@ -98,7 +101,8 @@ def sweep(q, k_cache, v_cache, valid, slots: int) -> list[dict]:
         try:
             for written in (136, slots):
                 slot = torch.tensor([written - 1], device=q.device)
-                call = functools.partial(decode_attention, q, k_cache, v_cache, valid, slot, block=block,
+                call = functools.partial(decode_attention, q, k_cache, v_cache, k_cache[:, :, written - 1],
+                                         v_cache[:, :, written - 1], valid, slot, block=block,
                                          num_warps=warps, num_stages=stages, pipelined=pipelined)
                 ref = F.scaled_dot_product_attention(q.float(), k_cache[:, :, :written].float(),
                                                      v_cache[:, :, :written].float(),

@@ -31,7 +31,14 @@ def test_the_kernel_attends_to_the_valid_written_slots_only(dtype, group):
     valid[0, :70] = False  # left padding longer than a whole block of slots
     valid[1, :3] = False
     newest = 100  # slots past it hold stale values from a longer earlier batch: never read
-    out = decode_attention.decode_attention(q, k_cache, v_cache, valid, torch.tensor([newest]))
+    k_new, v_new = (torch.randn(b, n_kv, d, dtype=dtype) for _ in range(2))
+    before = k_cache.clone(), v_cache.clone()
+    out = decode_attention.decode_attention(q, k_cache, v_cache, k_new, v_new, valid, torch.tensor([newest]))
+    # The kernel wrote the new key and value into the newest slot of the first b rows, and nothing else.
+    for cache, new, old in ((k_cache, k_new, before[0]), (v_cache, v_new, before[1])):
+        assert torch.equal(cache[:b, :, newest], new)
+        old[:b, :, newest] = new
+        assert torch.equal(cache, old)
     expected = F.scaled_dot_product_attention(q.float(), k_cache[:b, :, :newest + 1].float(),
                                               v_cache[:b, :, :newest + 1].float(),
                                               attn_mask=valid[:b, None, None, :newest + 1])
@@ -43,8 +50,8 @@ def test_the_kernel_attends_to_the_valid_written_slots_only(dtype, group):
 def test_a_head_dim_the_kernel_cannot_tile_is_refused():
     q = torch.zeros(1, 1, 1, 24)
     with pytest.raises(ValueError, match="head_dim"):
-        decode_attention.decode_attention(q, torch.zeros(1, 1, 4, 24), torch.zeros(1, 1, 4, 24),
-                                          torch.ones(1, 4, dtype=torch.bool), torch.tensor([1]))
+        decode_attention.decode_attention(q, torch.zeros(1, 1, 4, 24), torch.zeros(1, 1, 4, 24), torch.zeros(1, 1, 24),
+                                          torch.zeros(1, 1, 24), torch.ones(1, 4, dtype=torch.bool), torch.tensor([1]))
 
 
 def test_the_engine_on_the_kernel_samples_what_hugging_face_generate_does():
