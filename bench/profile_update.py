@@ -1,8 +1,11 @@
 """Where the update's time goes: one worker in this process generates a batch, takes one update as a
 warm-up (compilation), then a second under torch.profiler; prints the top operators by device time and
-the share of the update the device was busy. With --generate, the same for generation, first timing
-generations that free the engine's cache and graphs after each call (the default) against ones that
-keep them (what re-capturing the graphs costs).
+by host time, and the share of the update the device was busy. Then the update's tail on its own (the
+gradient norm and AdamW's step, and AdamW's fused step for comparison), and the reference pass under
+the profiler. With --generate, the same for generation, first timing generations that free the engine's
+cache and graphs after each call (the default) against ones that keep them (what re-capturing the graphs
+costs). With --plain, the same micro-batches' forward and backward (and the reference's forward) on a
+plain bf16 copy of the model with the same compiled layers and no FSDP: what FSDP's hooks cost on one GPU.
 
     python bench/profile_update.py configs/default.yaml [key=value ...] --device cuda --rows-note "..."
 
@@ -24,10 +27,11 @@ sys.path.insert(0, str(BENCH.parent))
 
 import reference_step  # noqa: E402
 
-from backend import decode_attention  # noqa: E402
+from backend import algos, decode_attention, distributed  # noqa: E402
 from backend.config import load_config, to_dict  # noqa: E402
+from backend.models import load_model  # noqa: E402
 from backend.rollout import SamplingParams  # noqa: E402
-from backend.workers import ActorRolloutRefWorker  # noqa: E402
+from backend.workers import ActorRolloutRefWorker, _micro_batches, response_log_probs  # noqa: E402
 
 
 def main() -> None:
@@ -37,6 +41,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--generate", action="store_true", help="profile generation as well")
+    p.add_argument("--plain", action="store_true", help="time the passes on a plain model without FSDP")
     args = p.parse_intermixed_args()
     cfg = load_config(args.config, args.overrides)
     worker = ActorRolloutRefWorker(to_dict(cfg), 0, 1, "127.0.0.1", reference_step.free_port(), args.device,
@@ -51,11 +56,75 @@ def main() -> None:
     start = time.perf_counter()
     worker.update_actor(batch, mini_rows=rows)
     print(f"second update, not profiled: {time.perf_counter() - start:.2f} s")
-    profiled("update", lambda: worker.update_actor(batch, mini_rows=rows), args)
+    profiled("update", lambda: worker.update_actor(batch, mini_rows=rows), args, host_table=True)
+    update_tail(worker)
+    worker.compute_ref_log_prob(batch)
+    profiled("reference log-probs", lambda: worker.compute_ref_log_prob(batch), args)
+    if args.plain:
+        plain_passes(worker, batch)
     worker.shutdown()
 
 
-def profiled(what: str, fn, args) -> None:
+def timed(fn, repeats: int = 3) -> list[float]:
+    """Wall seconds of each call, the device drained before and after."""
+    times = []
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def update_tail(worker: ActorRolloutRefWorker) -> None:
+    """The gradient norm and the optimizer step, each on its own (the update leaves its gradients)."""
+    if worker.device.type != "cuda":
+        return
+    params = [p for p in worker.actor.parameters() if p.requires_grad]
+    show = lambda t: ", ".join(f"{1000 * x:.1f}" for x in t) + " ms"  # noqa: E731
+    print("gradient norm: " + show(timed(lambda: distributed.global_grad_norm(params, 1e9))))
+    print("AdamW step (foreach): " + show(timed(worker.optimizer.step)))
+    try:
+        fused = torch.optim.AdamW(params, lr=1e-9, fused=True)
+        print("AdamW step (fused): " + show(timed(fused.step)))
+    except (RuntimeError, TypeError) as e:
+        print(f"AdamW step (fused): not available here: {e}")
+
+
+def plain_passes(worker: ActorRolloutRefWorker, batch: dict) -> None:
+    """The update's forward and backward and the reference's forward on a plain bf16 model."""
+    cfg = worker.cfg
+    arr = cfg.actor_rollout_ref
+    model = load_model(arr.model.path, worker.device, torch.bfloat16).train()
+    for layer in distributed.decoder_layers(model):
+        layer.forward = torch.compile(layer.forward)
+    dev = {k: v.to(worker.device) for k, v in batch.items()}
+    response_len = dev["responses"].shape[1]
+
+    def update() -> None:
+        for mb in _micro_batches(dev, arr.actor.ppo_micro_batch_size_per_gpu):
+            lp, _ = response_log_probs(model, mb["input_ids"], mb["attention_mask"], response_len,
+                                       with_entropy=True, compiled=True)
+            mask = mb["response_mask"].float()
+            kl = algos.kl_penalty(lp, mb["ref_log_probs"], "low_var_kl")
+            loss = algos.agg_loss(-mb["advantages"] * lp + 0.04 * kl, mask, "token-mean")
+            loss.backward()
+
+    @torch.no_grad()
+    def reference() -> None:
+        for mb in _micro_batches(dev, arr.ref.log_prob_micro_batch_size_per_gpu):
+            response_log_probs(model, mb["input_ids"], mb["attention_mask"], response_len, compiled=True)
+
+    show = lambda t: ", ".join(f"{x:.3f}" for x in t) + " s"  # noqa: E731
+    print("plain bf16 model, no FSDP: update forward+backward " + show(timed(update)))
+    print("plain bf16 model, no FSDP: reference forward " + show(timed(reference)))
+    print("FSDP worker: update " + show(timed(lambda: worker.update_actor(batch, mini_rows=len(dev["responses"])))))
+    print("FSDP worker: reference " + show(timed(lambda: worker.compute_ref_log_prob(batch))))
+
+
+def profiled(what: str, fn, args, host_table: bool = False) -> None:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if args.device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -67,6 +136,8 @@ def profiled(what: str, fn, args) -> None:
         wall = time.perf_counter() - start
     sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=args.top, max_name_column_width=60))
+    if host_table:
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.top, max_name_column_width=60))
     if args.device == "cuda":
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy = sum(e.self_device_time_total for e in kernels) / 1e6
