@@ -1,5 +1,3 @@
-import sys
+from backend.cli import end_process, main
 
-from backend.cli import main
-
-sys.exit(main())
+end_process(main())

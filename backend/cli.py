@@ -9,6 +9,7 @@ import shlex
 import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from backend.config import ConfigError
 
@@ -111,6 +112,21 @@ def _end_stopped_process() -> None:
     sys.stderr.flush()
     end_children()
     os._exit(3)
+
+
+def end_process(rc: int) -> NoReturn:
+    """Exit `python -m backend` with `rc`. A private Ray the command started (train, recipe, eval, generate)
+    is killed with its processes rather than shut down: everything the command keeps is on disk by then,
+    and Ray's orderly shutdown held a finished run's process for 2-3 s after its final status (9 s with
+    the Ray head gone), while the UI, a script or a test waited for it to end. A Ray cluster joined by
+    address is left properly (its head records the job as finished)."""
+    worker_group = sys.modules.get("backend.worker_group")  # not imported: no Ray to end, and none to import
+    if worker_group is not None and worker_group.runs_private_ray():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        worker_group.end_children()
+        os._exit(rc)
+    sys.exit(rc)
 
 
 def cmd_recipe(args: argparse.Namespace) -> int:

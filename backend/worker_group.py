@@ -80,6 +80,7 @@ class HeadWatch:
 
 
 RAY_START_ATTEMPTS = 3
+_private_ray = False  # whether start_ray started a private Ray in this process
 
 
 def start_ray(cfg: Config) -> None:
@@ -110,6 +111,8 @@ def start_ray(cfg: Config) -> None:
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world), include_dashboard=False,
                      log_to_driver=True, object_store_memory=512 * 2**20, runtime_env={"env_vars": env},
                      logging_level=logging.ERROR)
+            global _private_ray
+            _private_ray = True
             return
         except Exception as e:
             # Ray waits a fixed 30 s for its new node to register; on a small machine busy starting several
@@ -120,15 +123,24 @@ def start_ray(cfg: Config) -> None:
             ray.shutdown()
 
 
+def runs_private_ray() -> bool:
+    """Whether this process started a private Ray (its processes are this one's children) that still runs."""
+    return _private_ray and ray.is_initialized()
+
+
 def end_children() -> None:
-    """Kill every process this one started (a half-started Ray, or a stopped run's) and wait for them."""
+    """Kill every process this one started (a half-started Ray, or a stopped run's) and wait for them.
+
+    Only this process's own children are waited for: a killed grandchild (a Ray worker) stays a zombie
+    until whoever adopts it reaps it, which here took 1-2 s, while SIGKILL has already ended it."""
     import psutil
 
-    children = psutil.Process().children(recursive=True)
+    me = psutil.Process()
+    own, children = me.children(), me.children(recursive=True)
     for child in children:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
-    psutil.wait_procs(children, timeout=10)
+    psutil.wait_procs(own, timeout=10)
 
 
 def worker_device(cfg: Config) -> str:
