@@ -60,7 +60,10 @@ def shard_model(model: torch.nn.Module, device: torch.device, compute_dtype: tor
     and gradients are reduced in fp32.
 
     compile_layers: compile each decoder layer's forward (not the module call, so FSDP's gather and
-    free hooks stay outside the graph and parameter names do not change). All layers share one graph.
+    free hooks stay outside the graph and parameter names do not change). All layers share one graph,
+    compiled for any batch and sequence length: both change from call to call (each step's prompt
+    width, a shorter last micro-batch, the token view's few rows), and a graph compiled for the first
+    shapes was compiled again on the second step (10 s on an H200).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -71,7 +74,7 @@ def shard_model(model: torch.nn.Module, device: torch.device, compute_dtype: tor
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
         if compile_layers:
-            layer.forward = torch.compile(layer.forward)
+            layer.forward = torch.compile(layer.forward, dynamic=True)
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
