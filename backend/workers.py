@@ -39,27 +39,40 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     input_ids, attention_mask: (b, P + R), the last R positions are the response.
     Returns log_probs (b, R) and entropy (b, R) or None; the entropy carries a gradient only when
     entropy_grad is set (an entropy bonus). Only the R positions that predict response tokens reach the
-    output head (`logits_to_keep` as indices), and logits are divided by the sampling temperature so the
-    ratio matches the sampling distribution. Where the head is a plain bias-free linear layer, the model
-    returns its hidden states and the head runs inside the vocabulary pass a chunk at a time
-    (algos.head_token_log_probs), so the (b, R, V) logits and their gradient never exist whole.
-    `compiled` fuses the vocabulary pass.
+    output head, and logits are divided by the sampling temperature so the ratio matches the sampling
+    distribution. `compiled` fuses the vocabulary pass.
+
+    Where the head is a plain bias-free linear layer, the model returns its hidden states and the head
+    runs inside the vocabulary pass a chunk at a time (algos.head_token_log_probs), so the (b, R, V)
+    logits and their gradient never exist whole. Those models also see each row shifted left by its
+    padding, so every row starts at position 0 and all padding trails: no real token then has padding
+    before it, plain causal attention is exact, and no mask is built (a masked attention cannot skip
+    the masked half of the scores; on an H200 it ran at about a quarter of the card's matmul rate here).
+    Other models get the rows as they are, with the mask and `logits_to_keep` as indices.
     """
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     total = input_ids.shape[1]
     predicting = torch.arange(total - response_len - 1, total - 1, device=input_ids.device)
     targets = input_ids[:, -response_len:]
     head = _plain_head(model)
-    with _passing_through(head) if head is not None else contextlib.nullcontext():
+    if head is None:
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     logits_to_keep=predicting, use_cache=False)
-    if head is None:
         return algos.token_log_probs(out.logits, targets, temperature, with_entropy, entropy_grad, compiled=compiled)
+    shift = (attention_mask.cumsum(-1) == 0).sum(-1, keepdim=True)  # (b, 1) left padding of each row
+    positions = torch.arange(total, device=input_ids.device)
+    shifted = input_ids.gather(1, (positions + shift) % total)
+    with _passing_through(head):
+        # No mask and no position ids: Hugging Face then counts positions from 0 and runs causal attention.
+        # Every position kept as indices, so the output is a copy, not a view FSDP's backward hook could miss.
+        hidden = model(input_ids=shifted, logits_to_keep=positions, use_cache=False).logits  # (b, P + R, H)
+    at = (predicting - shift).unsqueeze(-1).expand(-1, -1, hidden.shape[-1])  # (b, R, H)
+    out_hidden = hidden.gather(1, at)
     if isinstance(model, FSDPModule):
         # The root, which holds the head, may free its gathered weights after the forward (it does once
         # distributed.unsharded has run); the backward, or the caller's reshard, frees them again.
         model.unshard()
-    return algos.head_token_log_probs(out.logits, head.weight, targets, temperature, with_entropy, entropy_grad,
+    return algos.head_token_log_probs(out_hidden, head.weight, targets, temperature, with_entropy, entropy_grad,
                                       compiled=compiled)
 
 
@@ -191,8 +204,11 @@ class ActorRolloutRefWorker(RankWorker):
         self.actor.train()
         opt = arr.actor.optim
         # With LoRA only the adapters train: the frozen base gets no gradients and no AdamW state.
+        # Fused on GPUs: one kernel for every parameter (12.5 ms a step against 16-18 ms for foreach on
+        # the H200 workload); offloaded parameters step on the CPU as before.
+        fused = self.device.type == "cuda" and not arr.actor.fsdp_config.offload_policy
         self.optimizer = torch.optim.AdamW([p for p in self.actor.parameters() if p.requires_grad], lr=opt.lr,
-                                           betas=tuple(opt.betas), weight_decay=opt.weight_decay)
+                                           betas=tuple(opt.betas), weight_decay=opt.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_lambda(opt.lr_warmup_steps, total_steps, opt.warmup_style, opt.min_lr_ratio))
 
