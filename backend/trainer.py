@@ -16,11 +16,13 @@ import os
 import random
 import shutil
 import signal
+import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -35,6 +37,8 @@ from backend.models import load_tokenizer
 from backend.rollout import RolloutBatch, SamplingParams, concat_rows
 from backend.runs import NICE_ENV, RunDir, latest_checkpoint, new_run_dir, read_status
 from backend.worker_group import WorkerError, WorkerGroup
+
+T = TypeVar("T")
 
 
 class RunStopped(Exception):
@@ -275,20 +279,10 @@ class Trainer:
             params = SamplingParams(n=arr.rollout.n, temperature=arr.rollout.temperature, top_p=arr.rollout.top_p,
                                     top_k=arr.rollout.top_k, max_new_tokens=cfg.data.max_response_length,
                                     seed=cfg.trainer.seed * 1_000_003 + step, ignore_eos=arr.rollout.ignore_eos)
-            items, batch, texts, scored = self._sample_and_score(params, timings)
+            items, batch, scoring = self._sample_and_score(params, timings)
             group_ids = batch.prompt_index
             response_mask = batch.response_mask.float()  # (B, R)
             rows = [items[i] for i in group_ids.tolist()]
-            scores = torch.tensor(scored.scores, dtype=torch.float32)  # (B,)
-            shaping: dict[str, float] = {}
-            ob = cfg.reward.overlong_buffer
-            if ob.enable:
-                penalty = algos.overlong_penalty(response_mask.sum(-1), cfg.data.max_response_length, ob.len,
-                                                 ob.penalty_factor)
-                scores = scores + penalty
-                shaping["reward/overlong_penalty/mean"] = penalty.mean().item()
-                shaping["reward/overlong_penalty/frac"] = (penalty < 0).float().mean().item()
-            token_level_scores = _place_at_last_token(scores, response_mask)  # (B, R)
             tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                        "responses": batch.responses, "response_mask": batch.response_mask}
             if batch.rollout_log_probs is not None:
@@ -308,6 +302,19 @@ class Trainer:
                 with timer("ref", timings):
                     self.stage("computing reference log-probs", force=True)
                     tensors["ref_log_probs"] = self.workers.compute_ref_log_prob(tensors)
+
+            # ---- scores (computed while the log-probs were) ----
+            texts, scored = scoring()
+            scores = torch.tensor(scored.scores, dtype=torch.float32)  # (B,)
+            shaping: dict[str, float] = {}
+            ob = cfg.reward.overlong_buffer
+            if ob.enable:
+                penalty = algos.overlong_penalty(response_mask.sum(-1), cfg.data.max_response_length, ob.len,
+                                                 ob.penalty_factor)
+                scores = scores + penalty
+                shaping["reward/overlong_penalty/mean"] = penalty.mean().item()
+                shaping["reward/overlong_penalty/frac"] = (penalty < 0).float().mean().item()
+            token_level_scores = _place_at_last_token(scores, response_mask)  # (B, R)
 
             reward_baselines = None
             if cfg.algorithm.adv_estimator == "remax":
@@ -386,11 +393,14 @@ class Trainer:
         return metrics
 
     def _sample_and_score(self, params: SamplingParams, timings: dict[str, float]
-                          ) -> tuple[list[dict], RolloutBatch, list[str], rewards.ScoredBatch]:
-        """The step's prompts, their responses (as tokens and as text) and scores. With
-        algorithm.filter_groups (DAPO's dynamic sampling) a group whose responses all score the same is
-        dropped (its advantages are all 0) and more prompts are drawn, up to max_num_gen_batches rounds,
-        until data.train_batch_size groups are kept."""
+                          ) -> tuple[list[dict], RolloutBatch, Callable[[], tuple[list[str], rewards.ScoredBatch]]]:
+        """The step's prompts, their responses, and a function that returns the responses as text and
+        their scores. The rule scorers run on a thread while the caller goes on to the log-prob passes
+        (as verl's launch_reward_fn_async), so a slow reward costs no time while the workers are busy;
+        the function waits for them. With algorithm.filter_groups (DAPO's dynamic sampling), which needs
+        the scores to choose the rows, or a reward model, which runs on the workers, scoring happens
+        here: a group whose responses all score the same is dropped (its advantages are all 0) and more
+        prompts are drawn, up to max_num_gen_batches rounds, until data.train_batch_size groups are kept."""
         fg = self.cfg.algorithm.filter_groups
         want = self.cfg.data.train_batch_size
         kept_items: list[dict] = []
@@ -405,12 +415,13 @@ class Trainer:
             with timer("gen", timings):
                 batch = self.rollout.generate([it["prompt_ids"] for it in items], round_params,
                                               progress=self._generation_stage)
-            with timer("reward", timings):
-                self.stage("scoring", force=True)
-                texts = self._decode(batch)
-                scored = self._score([items[i] for i in batch.prompt_index.tolist()], texts)
+            if not fg.enable and not self.cfg.reward_model.enable:
+                return items, batch, _in_background(functools.partial(self._decode_and_score, items, batch, timings),
+                                                    on_wait=lambda: self.stage("scoring", force=True))
+            self.stage("scoring", force=True)
+            texts, scored = self._decode_and_score(items, batch, timings)
             if not fg.enable:
-                return items, batch, texts, scored
+                return items, batch, _ready((texts, scored))
             keep = algos.groups_with_signal(torch.tensor(scored.scores), batch.prompt_index)
             groups = batch.prompt_index[keep].unique().tolist()[:want - len(kept_items)]
             chosen = torch.nonzero(torch.isin(batch.prompt_index, torch.tensor(groups, dtype=torch.long))).flatten()
@@ -425,8 +436,14 @@ class Trainer:
             raise RuntimeError(f"algorithm.filter_groups: every group of {rounds} generation round(s) scored the "
                                "same for all its responses, so no step can learn from them; raise "
                                "algorithm.filter_groups.max_num_gen_batches or rollout.n, or check the reward")
-        return (kept_items, concat_rows(kept_batches, self.tokenizer.pad_token_id), kept_texts,
-                rewards.concat_scored(kept_scores))
+        scored = rewards.concat_scored(kept_scores)
+        return kept_items, concat_rows(kept_batches, self.tokenizer.pad_token_id), _ready((kept_texts, scored))
+
+    def _decode_and_score(self, items: list[dict], batch: RolloutBatch, timings: dict[str, float]
+                          ) -> tuple[list[str], rewards.ScoredBatch]:
+        with timer("reward", timings):
+            texts = self._decode(batch)
+            return texts, self._score([items[i] for i in batch.prompt_index.tolist()], texts)
 
     def _greedy_baselines(self, items: list[dict], params: SamplingParams) -> torch.Tensor:
         """ReMax's baseline: the score of one greedy response per prompt, (prompts,)."""
@@ -589,6 +606,37 @@ class Trainer:
 
 
 # ---- helpers of the loop ----
+
+def _ready(value: T) -> Callable[[], T]:
+    return lambda: value
+
+
+def _in_background(fn: Callable[[], T], on_wait: Callable[[], None]) -> Callable[[], T]:
+    """fn() started on a daemon thread (a hung reward function must not keep the process alive); the
+    returned function waits for its result, calling on_wait first if it is not ready, or raises what fn
+    raised."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as e:  # handed to the waiting caller
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name="scoring", daemon=True)
+    thread.start()
+
+    def result() -> T:
+        if thread.is_alive():
+            on_wait()
+        while thread.is_alive():
+            thread.join(0.1)  # in slices, so a stop signal reaches the main thread while it waits
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    return result
+
 
 def _place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """(B,) sequence scores -> (B, R) token-level scores, the score on each response's last token."""

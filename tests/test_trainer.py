@@ -140,6 +140,31 @@ def test_a_raising_reward_function_scores_zero_and_the_run_goes_on(tmp_path, sam
     assert "odd length" in next(m["reward/first_error"] for m in lines if m["reward/errors"])
 
 
+def test_responses_are_scored_while_the_reference_log_probs_are_computed(tmp_path, sample_sets, monkeypatch):
+    """The reward function scores 1 only once the run's live stage says the reference pass has begun: it
+    can see that only if scoring runs alongside the log-prob passes rather than before them."""
+    reward = tmp_path / "waiting_reward.py"
+    reward.write_text(
+        "import json, os, time\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    deadline = time.monotonic() + 20\n"
+        "    while time.monotonic() < deadline:\n"
+        "        try:\n"
+        "            stage = json.loads(open(os.environ['WAITING_REWARD_STATUS']).read()).get('stage', '')\n"
+        "        except (OSError, ValueError):\n"
+        "            stage = ''\n"
+        "        if stage.startswith('computing reference'):\n"
+        "            return 1.0\n"
+        "        time.sleep(0.02)\n"
+        "    return 0.0\n")
+    monkeypatch.setenv("WAITING_REWARD_STATUS", str(tmp_path / "r" / "status.json"))
+    train(tmp_path / "r", sample_sets, **{"custom_reward_function.path": str(reward), "data.val_files": "[]",
+                                          "actor_rollout_ref.actor.use_kl_loss": "true", "reward.timeout_s": 60})
+    lines = read_metrics(tmp_path / "r")
+    assert [m["critic/score/mean"] for m in lines] == [1.0, 1.0]
+    assert all(m["timing_s/reward"] > 0 for m in lines)
+
+
 @pytest.mark.parametrize(("body", "counter"), [("time.sleep(30)\n    return 1.0", "reward/timeouts"),
                                                ("return 'a string'", "reward/invalid"),
                                                ("raise ValueError('every row')", "reward/errors")])
