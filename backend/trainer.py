@@ -361,15 +361,21 @@ class Trainer:
             token_sample = None
             actor_metrics: dict[str, float] = {}
             if train_actor:
+                # With one optimizer step the update's own forward gives the token view's "before" values.
+                one_step = plan.optimizer_steps_per_step == 1
                 with timer("token_log", timings):
-                    token_sample = self._token_sample(tensors)
+                    token_sample = self._token_sample(tensors, from_update=one_step)
+                marked = ({"token_row": _token_row_marks(len(tensors["responses"]), len(token_sample["responses"]))}
+                          if one_step and token_sample is not None else {})
                 with timer("update_actor", timings):
                     actor_metrics = self.workers.update_actor(
-                        tensors, mini_rows=mini_rows, epochs=a.ppo_epochs, shuffle=a.shuffle,
+                        {**tensors, **marked}, mini_rows=mini_rows, epochs=a.ppo_epochs, shuffle=a.shuffle,
                         progress=lambda d, n: self.stage(f"updating micro-batch {d}/{n} (rank 0)"))
                 self._check_finite(step, actor_metrics)
             if token_sample is not None:
                 with timer("token_log", timings):
+                    if "before_log_probs" not in token_sample:
+                        token_sample["before_log_probs"], token_sample["entropy"] = self.workers.update_log_probs()
                     self.run.write_token_log(step, self._token_rows(token_sample))
 
         # ---- metrics and rollouts ----
@@ -489,13 +495,15 @@ class Trainer:
 
     # ---- the token view's data ----
 
-    def _token_sample(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """The first trainer.token_log_max responses with their log-probs and entropy before the update."""
+    def _token_sample(self, tensors: dict[str, torch.Tensor], from_update: bool) -> dict[str, torch.Tensor] | None:
+        """The first trainer.token_log_max responses, with their log-probs and entropy before the update
+        unless they come `from_update` (its first forward, read after it by update_log_probs)."""
         k = min(self.cfg.trainer.token_log_max, self.cfg.trainer.rollout_log_max, len(tensors["responses"]))
         if k == 0:
             return None
         sample = {key: value[:k] for key, value in tensors.items()}
-        sample["before_log_probs"], sample["entropy"] = self.workers.compute_log_prob(sample)
+        if not from_update:
+            sample["before_log_probs"], sample["entropy"] = self.workers.compute_log_prob(sample)
         return sample
 
     def _token_rows(self, sample: dict[str, torch.Tensor]) -> dict[str, list]:
@@ -606,6 +614,11 @@ class Trainer:
 
 
 # ---- helpers of the loop ----
+
+def _token_row_marks(rows: int, k: int) -> torch.Tensor:
+    """(rows,) int64: i for the token view's i-th response (the first k), -1 for the others."""
+    return torch.where(torch.arange(rows) < k, torch.arange(rows), -1)
+
 
 def _ready(value: T) -> Callable[[], T]:
     return lambda: value

@@ -331,6 +331,14 @@ class WorkerGroup:
         args = update_shards(batch, mini_rows, epochs, shuffle, self.world_size)
         return _merge(self._each("update_actor", args, "the actor update", progress))
 
+    def update_log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log-probs and entropies (k, R) that the last update_actor computed before its first optimizer
+        step for the rows it marked with token_row 0..k-1, in that order (every rank's share gathered)."""
+        parts = self._all("update_log_probs", what="the update's log-probs")
+        rows, lps, ents = (torch.cat(p) for p in zip(*parts, strict=True))
+        order = rows.argsort()
+        return lps[order], ents[order]
+
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """(B, R) critic values of the state before each response token, rows split evenly over the ranks."""
         shards, n = _split_even(batch, self.world_size)

@@ -230,6 +230,7 @@ class ActorRolloutRefWorker(RankWorker):
         self.clip_low, self.clip_high = arr.actor.clip_range()
         self.policy_loss = algos.get_policy_loss_fn(arr.actor.policy_loss.loss_mode)
         self._progress: tuple = ()
+        self._update_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._peaks = PeakMemory(self.device)
         self._phase = self._peaks.phase
 
@@ -333,9 +334,13 @@ class ActorRolloutRefWorker(RankWorker):
         and only its gradient counts. With rollout_log_probs (the sampling engine's own, vllm) each token's
         policy loss is weighted by algos.rollout_is_weights against old_log_probs (on-policy: the detached
         current log-probs) unless algorithm.rollout_correction.rollout_is is null; rollout/* metrics say
-        how far the two engines disagree.
+        how far the two engines disagree. Rows whose `token_row` (optional) is k >= 0 keep the log-probs
+        and entropies of the first mini-batch's forward, before any optimizer step, for
+        `update_log_probs` (the token view's "before" without a pass of its own).
         """
         self._progress = ()
+        self._update_rows = None
+        kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         a = self.cfg.actor_rollout_ref.actor
         total = batch["responses"].shape[0]
         response_len = batch["responses"].shape[1]
@@ -373,6 +378,8 @@ class ActorRolloutRefWorker(RankWorker):
                             self.actor, mb["input_ids"], mb["attention_mask"], response_len, self.temperature,
                             with_entropy=True, entropy_grad=a.entropy_coeff > 0, compiled=self.compiled)
                         old = mb.get("old_log_probs", log_probs.detach())
+                        if "token_row" in mb and start == 0:
+                            kept.append((mb["token_row"], log_probs.detach(), entropy.detach()))
                         is_weights = None
                         if "rollout_log_probs" in mb:
                             weights, is_metrics = algos.rollout_is_weights(old, mb["rollout_log_probs"], mask,
@@ -410,6 +417,10 @@ class ActorRolloutRefWorker(RankWorker):
                     skipped += 1
                     self.optimizer.zero_grad(set_to_none=True)
                 add("actor/grad_norm", grad_norm)
+        if kept:
+            rows, lps, ents = (torch.cat(parts) for parts in zip(*kept, strict=True))
+            marked = rows >= 0
+            self._update_rows = (rows[marked].cpu(), lps[marked].cpu(), ents[marked].cpu())
         names = list(sums)
         values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32, device=self.device) for k in names])
         metrics = {k: v / counts[k] for k, v in zip(names, values.tolist(), strict=True)}
@@ -419,6 +430,13 @@ class ActorRolloutRefWorker(RankWorker):
         metrics["actor/skipped_steps"] = float(skipped)
         metrics.update(self.memory())
         return metrics
+
+    def update_log_probs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows the last update kept (see update_actor's token_row): their token_row values (k,), and
+        their log-probs and entropies before its first optimizer step (k, R)."""
+        if self._update_rows is None:
+            raise RuntimeError("update_log_probs: the last update_actor marked no rows with token_row")
+        return self._update_rows
 
     def memory(self) -> dict[str, float]:
         """Peak GPU memory of this rank in each phase since the last call and over all of them, in GiB:

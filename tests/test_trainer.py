@@ -212,6 +212,9 @@ def test_token_log_holds_per_token_quantities_of_the_first_responses(finished_ru
             assert len(t[key]) == n, key
         for lp, ref, kl in zip(t["log_prob"], t["ref_log_prob"], t["kl"], strict=True):
             assert kl == pytest.approx(lp - ref, abs=1e-6)
+            # The first step's "before" comes from the update's own forward, when the policy is still the
+            # reference: each row's values must be its own.
+            assert lp == pytest.approx(ref, abs=1e-4)
         assert all(lp <= 0 for lp in t["log_prob"]) and all(e >= 0 for e in t["entropy"])
         # each token is also decoded alone for display; a multi-byte character split across tokens
         # cannot be, so the check is on the ids

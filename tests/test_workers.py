@@ -74,6 +74,31 @@ def test_one_update_changes_every_trainable_parameter_and_not_the_reference(samp
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
 
 
+def test_the_update_hands_back_its_first_log_probs_of_marked_rows_which_a_pass_before_it_gives(sample_sets,
+                                                                                                 tiny_tokenizer):
+    """What the token view reads as "before" when a step takes one optimizer step: the update's own first
+    forward of the rows marked with token_row (in mark order, whatever order the rows came in), equal to
+    a log-prob pass before the update; the weights do change."""
+    cfg = load_config(None, tiny_overrides(sample_sets, **{"actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+                                                          "actor_rollout_ref.rollout.n": 2,
+                                                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1}))
+    worker = one_rank_worker(cfg)
+    _, batch = padded_batch(tiny_tokenizer)
+    batch = {k: torch.cat([v, v.flip(0)]) for k, v in batch.items()}  # 4 rows, one optimizer step
+    batch["ref_log_probs"] = worker.compute_ref_log_prob(batch)
+    batch["advantages"] = torch.tensor([[1.0] * 4, [-1.0] * 4, [0.5] * 4, [-2.0] * 4])
+    expected_lp, expected_ent = worker.compute_log_prob(batch)
+    batch["token_row"] = torch.tensor([-1, 1, -1, 0])  # the token view's rows 0 and 1 are rows 3 and 1
+    worker.update_actor(dict(batch), mini_rows=4)
+    rows, lps, ents = worker.update_log_probs()
+    order = rows.argsort()
+    assert rows[order].tolist() == [0, 1]
+    torch.testing.assert_close(lps[order], expected_lp[[3, 1]], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ents[order], expected_ent[[3, 1]], atol=1e-5, rtol=1e-5)
+    after, _ = worker.compute_log_prob(batch)
+    assert not torch.allclose(after[[3, 1]], expected_lp[[3, 1]])
+
+
 def test_gathering_once_per_phase_on_one_rank_updates_exactly_as_gathering_layer_by_layer(sample_sets, tiny_tokenizer):
     """One rank keeps the model gathered through a mini-batch and reduces gradients at its last micro-batch
     only; the weights, metrics and the log-probs after the optimizer step (which must see the new weights,
