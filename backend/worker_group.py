@@ -105,12 +105,15 @@ def start_ray(cfg: Config) -> None:
     package_root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
     # address="local": always a new private instance, even where `ray start` left a cluster address behind.
-    # Ray's start-up notices are noise in a run's log; its errors still show.
+    # Ray's start-up notices are noise in a run's log; its errors still show. Not prestarting a worker process
+    # per core for the first driver: a run's ranks are actors, each started as a new process, so those idle
+    # workers ran at most one small task and competed with the ranks' start for the cores (a tiny run's first
+    # step came 2-4 s later on 2 cores, and its start took 6 s more CPU).
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         try:
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world), include_dashboard=False,
                      log_to_driver=True, object_store_memory=512 * 2**20, runtime_env={"env_vars": env},
-                     logging_level=logging.ERROR)
+                     logging_level=logging.ERROR, _system_config={"prestart_worker_first_driver": False})
             global _private_ray
             _private_ray = True
             return
