@@ -182,9 +182,7 @@ class WorkerGroup:
             ray.util.remove_placement_group(self.placement)
             raise WorkerError(f"Ray could not place {self.world_size} workers of {bundle} within "
                               f"{_PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {_resources()}") from None
-        master_addr, master_port = ray.get(_rendezvous.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=0),
-            num_cpus=0).remote())
+        master_addr, master_port = self._meeting_point(local)
         # With a critic or a reward model, each bundle (a GPU, or a share of the cores) holds one rank of
         # each role, colocated as in verl, sharing the bundle's resources equally.
         share = 1.0 / (1 + uses_critic(cfg) + cfg.reward_model.enable)
@@ -195,9 +193,7 @@ class WorkerGroup:
         if uses_critic(cfg):
             from backend.critic import CriticWorker
 
-            critic_addr, critic_port = ray.get(_rendezvous.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=0),
-                num_cpus=0).remote())
+            critic_addr, critic_port = self._meeting_point(local)
             self.critics = self._spawn(CriticWorker, bundle, share, critic_addr, critic_port,
                                        lambda r, addr, port: (critic_settings(cfg), r, self.world_size, addr, port,
                                                               self.device, total_steps))
@@ -223,6 +219,16 @@ class WorkerGroup:
         self.where = self._run([w.where.remote() for w in self.workers], "start-up")
         self._run([c.where.remote() for c in self.critics], "critic start-up")
         self._run([m.where.remote() for m in self.reward_models], "reward model start-up")
+
+    def _meeting_point(self, local: bool) -> tuple[str, int]:
+        """Where a process group of the ranks meets: the node holding rank 0 and a free port there. With a
+        private Ray, rank 0 runs on this machine, so it is found here; on a cluster a task asks that node
+        (on a private Ray the task cost a worker process's start, 1-2 s, for every group)."""
+        if local:
+            return _free_address()
+        return ray.get(_rendezvous.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=0),
+            num_cpus=0).remote())
 
     def _spawn(self, cls: type, bundle: dict, share: float, addr: str, port: int, args: Callable) -> list:
         """One Ray actor of `cls` per rank, rank r in bundle r of the placement with `share` of its resources."""
@@ -473,12 +479,13 @@ def _death_reason(error: Exception) -> str:
     return f"the worker process ended ({reason[:300]})"
 
 
-@ray.remote
-def _rendezvous() -> tuple[str, int]:
-    """The address of the node holding rank 0 and a free port there: where the process group meets."""
-    import socket
-
+def _free_address() -> tuple[str, int]:
+    """This node's address and a free port on it."""
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
     return ray.util.get_node_ip_address(), port
+
+
+# The address of the node holding rank 0 and a free port there: asked of that node, as a task.
+_rendezvous = ray.remote(_free_address)
