@@ -33,18 +33,26 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 @pytest.fixture(scope="module")
-def slow_reward(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("reward") / "slow_reward.py"
-    path.write_text(SLOW_REWARD)
-    return path
+def rewards(tmp_path_factory) -> dict[str, Path]:
+    """The reward above, paced for a run that is killed mid-step, and the same scores without the sleep for
+    the runs that are not: straight runs, and what a killed run does once resumed."""
+    folder = tmp_path_factory.mktemp("reward")
+    (folder / "slow_reward.py").write_text(SLOW_REWARD)
+    (folder / "fast_reward.py").write_text(SLOW_REWARD.replace("time.sleep(0.4)", "pass"))
+    return {"slow": folder / "slow_reward.py", "fast": folder / "fast_reward.py"}
+
+
+def fast_reward_override(rewards: dict[str, Path]) -> str:
+    return f"custom_reward_function.path={rewards['fast']}"
 
 
 @pytest.fixture(scope="module")
-def config(sample_sets, slow_reward):
-    def make(**extra):
+def config(sample_sets, rewards):
+    def make(paced: bool = False, **extra):
         return load_config(None, tiny_overrides(sample_sets, **{
             "trainer.total_training_steps": STEPS, "trainer.save_freq": 2, "data.val_files": "[]",
-            "trainer.max_checkpoints_to_keep": 0, "custom_reward_function.path": str(slow_reward), **extra}))
+            "trainer.max_checkpoints_to_keep": 0,
+            "custom_reward_function.path": str(rewards["slow" if paced else "fast"]), **extra}))
     return make
 
 
@@ -63,8 +71,8 @@ def straight_run(tmp_path_factory, config) -> Path:
     return run_dir
 
 
-def test_a_run_killed_with_sigkill_mid_step_resumes_to_the_same_result(tmp_path, config, straight_run):
-    cfg = config()
+def test_a_run_killed_with_sigkill_mid_step_resumes_to_the_same_result(tmp_path, config, rewards, straight_run):
+    cfg = config(paced=True)
     run_dir = launcher.launch(cfg, name="killed", runs_root=tmp_path)
     # kill once step 3 is under way: checkpoint step_2 exists and step 3 has not finished
     wait_for(lambda: (read_status(run_dir) or {}).get("step", 0) >= 3 and len(read_metrics(run_dir)) == 2)
@@ -73,7 +81,7 @@ def test_a_run_killed_with_sigkill_mid_step_resumes_to_the_same_result(tmp_path,
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_2"]
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]  # everything up to the kill is intact
 
-    launcher.resume(run_dir)
+    launcher.resume(run_dir, overrides=[fast_reward_override(rewards)])
     wait_for(lambda: (read_status(run_dir) or {}).get("state") == "succeeded")
     assert_same_run(straight_run, run_dir)
 
@@ -193,8 +201,9 @@ def test_when_the_ray_head_is_gone_the_run_fails_clearly_and_resumes_from_its_ch
     assert_same_run(tmp_path / "straight", run_dir, steps=12)
 
 
-def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_whole_one(tmp_path, config, straight_run):
-    run_dir = launcher.launch(config(), name="torn", runs_root=tmp_path)
+def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_whole_one(tmp_path, config, rewards,
+                                                                                     straight_run):
+    run_dir = launcher.launch(config(paced=True), name="torn", runs_root=tmp_path)
     # the trainer says "saving checkpoint step_4" as the write starts; kill the whole process group then
     wait_for(lambda: ((read_status(run_dir) or {}).get("stage") or "").startswith("saving checkpoint step_4"))
     os.killpg(read_status(run_dir)["pgid"], signal.SIGKILL)
@@ -203,7 +212,7 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_whole
     assert whole[0] == "step_2" and set(whole) <= {"step_2", "step_4"}  # never a half-written one
     for name in whole:
         assert checkpoint.load_merged_model(run_dir / "checkpoints" / name)
-    launcher.resume(run_dir)
+    launcher.resume(run_dir, overrides=[fast_reward_override(rewards)])
     wait_for(lambda: (read_status(run_dir) or {}).get("state") == "succeeded")
     assert_same_run(straight_run, run_dir)
 
