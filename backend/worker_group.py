@@ -36,6 +36,9 @@ Batch = dict[str, torch.Tensor]
 _PASSED_ENV = ("GRPO_WB_CACHE", "HF_HOME", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                "NVSHMEM_DISABLE_NVLS", "NCCL_DEBUG")
 _POLL_S = 0.5
+# How long a failed call waits for Ray to report a rank's death before blaming the rank that raised: when one
+# rank dies, the others fail at once in their collectives with a connection error, often before Ray notices.
+_DEATH_NOTICE_S = 5.0
 CRITIC = "critic"  # the critic's shards inside a checkpoint folder
 _PLACEMENT_TIMEOUT_S = 120.0
 
@@ -268,7 +271,12 @@ class WorkerGroup:
                     raise WorkerError(f"worker rank {index[ref]} ({self._describe(index[ref])}) died during {what}: "
                                       f"{_death_reason(e)}") from None
                 except ray.exceptions.RayTaskError as e:
+                    died = self._death_among([r for r in refs if r is not ref], index)
                     self.shutdown()
+                    if died is not None:
+                        rank, error = died
+                        raise WorkerError(f"worker rank {rank} ({self._describe(rank)}) died during {what}: "
+                                          f"{_death_reason(error)}") from None
                     cause = e.cause if getattr(e, "cause", None) is not None else e
                     raise WorkerError(f"worker rank {index[ref]} ({self._describe(index[ref])}) failed during "
                                       f"{what}: {type(cause).__name__}: {cause}") from e
@@ -279,6 +287,20 @@ class WorkerGroup:
                     progress(*state[1:])
                     last = state
         return ray.get(refs)
+
+    @staticmethod
+    def _death_among(refs: list, index: dict) -> tuple[int, Exception] | None:
+        """The rank, and Ray's error, of one of these calls whose worker died, given up to _DEATH_NOTICE_S
+        for Ray to notice; None if none did (a rank failed on its own)."""
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=_DEATH_NOTICE_S) if refs else ([], [])
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                return index[ref], e
+            except ray.exceptions.RayTaskError:
+                continue
+        return None
 
     def _progress(self) -> tuple:
         try:
