@@ -100,18 +100,23 @@ def _train(cfg, run_dir: str | None, *, quiet: bool) -> tuple[int, Path]:
     return 0, trainer.run.root
 
 
-def _end_stopped_process() -> None:
+def _end_stopped_process() -> NoReturn:
     """End this process now (exit code 3): a stop signal asked it to, and the run has recorded that it
     stopped (status, metrics, trackers closed). The private Ray it started is killed, not shut down: the
     signal reaches Ray's processes too (the launcher signals the run's whole process group), and releasing
     the workers then waited on a raylet already going and never returned, so every stopped run outlived the
     launcher's grace and was killed at its end."""
+    _exit_killing_children(3)
+
+
+def _exit_killing_children(rc: int) -> NoReturn:
+    """Flush the console, kill every process this one started (its private Ray) and exit with `rc` at once."""
     from backend.worker_group import end_children
 
     sys.stdout.flush()
     sys.stderr.flush()
     end_children()
-    os._exit(3)
+    os._exit(rc)
 
 
 def end_process(rc: int) -> NoReturn:
@@ -122,10 +127,7 @@ def end_process(rc: int) -> NoReturn:
     address is left properly (its head records the job as finished)."""
     worker_group = sys.modules.get("backend.worker_group")  # not imported: no Ray to end, and none to import
     if worker_group is not None and worker_group.runs_private_ray():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        worker_group.end_children()
-        os._exit(rc)
+        _exit_killing_children(rc)
     sys.exit(rc)
 
 

@@ -617,7 +617,9 @@ class Trainer:
 
 def _token_row_marks(rows: int, k: int) -> torch.Tensor:
     """(rows,) int64: i for the token view's i-th response (the first k), -1 for the others."""
-    return torch.where(torch.arange(rows) < k, torch.arange(rows), -1)
+    marks = torch.arange(rows)
+    marks[k:] = -1
+    return marks
 
 
 def _ready(value: T) -> Callable[[], T]:
