@@ -26,23 +26,37 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+# How long ranks wait for each other to join (torch's own default for a store).
+_MEET_TIMEOUT = timedelta(seconds=300)
 
-def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device) -> None:
-    """Join the run's process group: NCCL between GPUs, gloo between CPU processes. A process that
-    already has one (a test holding several one-rank workers) keeps it."""
+
+def meeting_store(host: str) -> dist.TCPStore:
+    """The store a process group's ranks meet at, served from this process (the controller) on a port the
+    OS picks as it binds. Keep it as long as the group runs. A free port found here and bound later by rank
+    0 can be taken in between: with eight runs starting at once on one machine, one was."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=_MEET_TIMEOUT)
+
+
+def init_process_group(rank: int, world_size: int, store_host: str, store_port: int, device: torch.device) -> None:
+    """Join the run's process group through the store at `store_host:store_port` (`meeting_store`): NCCL
+    between GPUs, gloo between CPU processes. A process that already has one (a test holding several
+    one-rank workers) keeps it."""
     if dist.is_initialized():
         return
-    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+    # vLLM's external launcher reads this rank's place from the environment (backend.vllm_rollout).
+    os.environ.update(MASTER_ADDR=store_host, MASTER_PORT=str(store_port), RANK=str(rank),
                       WORLD_SIZE=str(world_size))
+    store = dist.TCPStore(store_host, store_port, is_master=False, timeout=_MEET_TIMEOUT)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, device_id=device)
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
 
 
 def param_dtype(setting: str, device: torch.device) -> torch.dtype:

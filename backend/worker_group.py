@@ -26,6 +26,7 @@ import torch
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from backend import distributed
 from backend.config import Config, to_dict, uses_critic
 from backend.rollout import RolloutBatch, SamplingParams, left_pad, right_pad
 
@@ -185,7 +186,8 @@ class WorkerGroup:
             ray.util.remove_placement_group(self.placement)
             raise WorkerError(f"Ray could not place {self.world_size} workers of {bundle} within "
                               f"{_PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {_resources()}") from None
-        master_addr, master_port = self._meeting_point(local)
+        self._stores: list = []
+        master_addr, master_port = self._meeting_point()
         # With a critic or a reward model, each bundle (a GPU, or a share of the cores) holds one rank of
         # each role, colocated as in verl, sharing the bundle's resources equally.
         share = 1.0 / (1 + uses_critic(cfg) + cfg.reward_model.enable)
@@ -196,7 +198,7 @@ class WorkerGroup:
         if uses_critic(cfg):
             from backend.critic import CriticWorker
 
-            critic_addr, critic_port = self._meeting_point(local)
+            critic_addr, critic_port = self._meeting_point()
             self.critics = self._spawn(CriticWorker, bundle, share, critic_addr, critic_port,
                                        lambda r, addr, port: (critic_settings(cfg), r, self.world_size, addr, port,
                                                               self.device, total_steps))
@@ -223,15 +225,12 @@ class WorkerGroup:
         self._run([c.where.remote() for c in self.critics], "critic start-up")
         self._run([m.where.remote() for m in self.reward_models], "reward model start-up")
 
-    def _meeting_point(self, local: bool) -> tuple[str, int]:
-        """Where a process group of the ranks meets: the node holding rank 0 and a free port there. With a
-        private Ray, rank 0 runs on this machine, so it is found here; on a cluster a task asks that node
-        (on a private Ray the task cost a worker process's start, 1-2 s, for every group)."""
-        if local:
-            return _free_address()
-        return ray.get(_rendezvous.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=0),
-            num_cpus=0).remote())
+    def _meeting_point(self) -> tuple[str, int]:
+        """Where a process group of the ranks meets: a store this controller serves, held as long as the
+        group (every node of a Ray cluster reaches the node its driver runs on)."""
+        store = distributed.meeting_store(ray.util.get_node_ip_address())
+        self._stores.append(store)
+        return ray.util.get_node_ip_address(), store.port
 
     def _spawn(self, cls: type, bundle: dict, share: float, addr: str, port: int, args: Callable) -> list:
         """One Ray actor of `cls` per rank, rank r in bundle r of the placement with `share` of its resources."""
@@ -268,6 +267,9 @@ class WorkerGroup:
                     ray.get(ref)
                 except ray.exceptions.RayActorError as e:
                     self.shutdown()
+                    if getattr(e, "actor_init_failed", False):
+                        raise WorkerError(f"worker rank {index[ref]} ({self._describe(index[ref])}) failed during "
+                                          f"{what}: {_raised(e)}") from None
                     raise WorkerError(f"worker rank {index[ref]} ({self._describe(index[ref])}) died during {what}: "
                                       f"{_death_reason(e)}") from None
                 except ray.exceptions.RayTaskError as e:
@@ -494,20 +496,14 @@ def _resources() -> dict:
     return {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "memory")}
 
 
+def _raised(error: Exception) -> str:
+    """The exception a rank's constructor raised, from Ray's report of it: the traceback's last line."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1][:500] if lines else type(error).__name__
+
+
 def _death_reason(error: Exception) -> str:
     text = str(error).strip().splitlines()
     reason = next((line.strip() for line in text if "exit" in line.lower() or "killed" in line.lower()
                    or "memory" in line.lower()), text[0] if text else type(error).__name__)
     return f"the worker process ended ({reason[:300]})"
-
-
-def _free_address() -> tuple[str, int]:
-    """This node's address and a free port on it."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
-
-
-# The address of the node holding rank 0 and a free port there: asked of that node, as a task.
-_rendezvous = ray.remote(_free_address)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,10 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backend import checkpoint
+from backend import checkpoint, distributed
 from backend.config import ConfigError, load_config
+from backend.models import resolve_model
 from backend.runs import list_checkpoints, read_metrics, read_status
 from backend.trainer import Trainer
+from backend.worker_group import WorkerError
 
 from .conftest import REPO, tiny_overrides, wait_for
 
@@ -156,6 +159,28 @@ def test_a_killed_worker_fails_the_run_clearly_and_resumes_to_the_uninterrupted_
     assert resumed.wait(timeout=300) == 0
     straight = train(tmp_path / "straight", sample_sets, 2, **total)
     assert_same_training(straight, run_dir, list(range(1, steps[-1] + 3)))
+
+
+def test_the_store_the_ranks_meet_at_holds_its_port_from_the_moment_it_is_made():
+    """Eight runs starting at once on one machine: a port found free and bound only later by rank 0 was
+    taken in between by another run (EADDRINUSE). The store is bound as it is made, so it cannot be."""
+    store = distributed.meeting_store("127.0.0.1")
+    with socket.socket() as s, pytest.raises(OSError, match="in use"):
+        s.bind(("127.0.0.1", store.port))
+    client = torch.distributed.TCPStore("127.0.0.1", store.port, is_master=False)
+    client.set("rank0", "here")
+    assert store.get("rank0") == b"here"
+
+
+def test_a_worker_that_cannot_load_its_model_fails_the_run_naming_what_it_raised(tmp_path, sample_sets):
+    broken = tmp_path / "broken-model"
+    shutil.copytree(resolve_model("tiny-qwen3"), broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(WorkerError) as failed:
+        train(tmp_path / "run", sample_sets, 1, **{"actor_rollout_ref.model.path": broken})
+    message = str(failed.value)
+    assert message.startswith("worker rank 0 (not started) failed during start-up: "), message
+    assert "SafetensorError" in message and "header" in message, message
 
 
 class DapClient:

@@ -3,8 +3,6 @@ with the merged weights, and checkpoints and exports fold the adapters into a pl
 
 from __future__ import annotations
 
-import socket
-
 import torch
 from safetensors.torch import load_file
 
@@ -17,7 +15,7 @@ from backend.runs import latest_checkpoint
 from backend.trainer import Trainer
 from backend.workers import ActorRolloutRefWorker
 
-from .conftest import tiny_overrides
+from .conftest import meeting_point, tiny_overrides
 from .test_workers import padded_batch
 
 
@@ -35,10 +33,7 @@ def test_merging_adds_scaled_b_times_a_and_drops_peft_names():
 
 def lora_worker(sample_sets, **extra) -> ActorRolloutRefWorker:
     cfg = load_config(None, tiny_overrides(sample_sets, **{"actor_rollout_ref.model.lora_rank": 4, **extra}))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return ActorRolloutRefWorker(to_dict(cfg), 0, 1, "127.0.0.1", port, "cpu", total_steps=2)
+    return ActorRolloutRefWorker(to_dict(cfg), 0, 1, *meeting_point(), "cpu", total_steps=2)
 
 
 def test_an_update_moves_only_the_adapters_and_the_reference_stays_the_base(sample_sets, tiny_tokenizer):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import torch
 
 from backend import algos, workers
@@ -12,7 +10,7 @@ from backend.models import load_model
 from backend.rollout import left_pad
 from backend.workers import ActorRolloutRefWorker, response_log_probs
 
-from .conftest import tiny_overrides
+from .conftest import meeting_point, tiny_overrides
 
 
 def padded_batch(tokenizer):
@@ -47,10 +45,7 @@ def test_temperature_scales_logits_before_the_softmax(tiny_tokenizer):
 
 def one_rank_worker(cfg) -> ActorRolloutRefWorker:
     """A worker in this process, as rank 0 of a one-process gloo group (the path a one-worker run takes)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return ActorRolloutRefWorker(to_dict(cfg), 0, 1, "127.0.0.1", port, "cpu", total_steps=1)
+    return ActorRolloutRefWorker(to_dict(cfg), 0, 1, *meeting_point(), "cpu", total_steps=1)
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
