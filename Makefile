@@ -30,4 +30,4 @@ lint: setup
 	$(PY) -m ruff check .
 
 test: setup lint $(CHROMIUM)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
