@@ -23,6 +23,7 @@ precision: parameters stay fp32, so the gathered copies are 4P and 4P/L.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +41,17 @@ def meeting_store(host: str) -> dist.TCPStore:
     OS picks as it binds. Keep it as long as the group runs. A free port found here and bound later by rank
     0 can be taken in between: with eight runs starting at once on one machine, one was."""
     return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=_MEET_TIMEOUT)
+
+
+@functools.cache
+def _local_store() -> dist.TCPStore:
+    return meeting_store("127.0.0.1")
+
+
+def local_meeting_point() -> tuple[str, int]:
+    """Where a worker built inside this process (a test's, a benchmark's: rank 0 of a one-rank group) meets:
+    one store served here for the process's life, since its process group, made once, outlives the worker."""
+    return "127.0.0.1", _local_store().port
 
 
 def init_process_group(rank: int, world_size: int, store_host: str, store_port: int, device: torch.device) -> None:

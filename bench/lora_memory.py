@@ -29,6 +29,7 @@ import grpo_step  # noqa: E402
 import reference_step  # noqa: E402
 import trl_grpo  # noqa: E402
 
+from backend import distributed  # noqa: E402
 from backend.config import load_config, to_dict  # noqa: E402
 from backend.workers import ActorRolloutRefWorker  # noqa: E402
 
@@ -47,7 +48,7 @@ def measure(model_dir: Path, prompts: Path, rank: int, device: str, small: bool)
                  f"custom_reward_function.path={BENCH / 'bench_reward.py'}",
                  "custom_reward_function.name=distinct_words", f"trainer.device={device}"]
     cfg = load_config(None, overrides)
-    worker = ActorRolloutRefWorker(to_dict(cfg), 0, 1, "127.0.0.1", reference_step.free_port(), device, total_steps=2)
+    worker = ActorRolloutRefWorker(to_dict(cfg), 0, 1, *distributed.local_meeting_point(), device, total_steps=2)
     batch = reference_step.rollout_batch(worker, cfg)
     metrics = worker.update_actor(batch, mini_rows=batch["responses"].shape[0])
     row = {"lora_rank": rank,

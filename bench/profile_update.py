@@ -44,7 +44,7 @@ def main() -> None:
     p.add_argument("--plain", action="store_true", help="time the passes on a plain model without FSDP")
     args = p.parse_intermixed_args()
     cfg = load_config(args.config, args.overrides)
-    worker = ActorRolloutRefWorker(to_dict(cfg), 0, 1, "127.0.0.1", reference_step.free_port(), args.device,
+    worker = ActorRolloutRefWorker(to_dict(cfg), 0, 1, *distributed.local_meeting_point(), args.device,
                                    total_steps=3)
     batch = reference_step.rollout_batch(worker, cfg)
     if args.generate:

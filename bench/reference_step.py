@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -23,18 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend import algos  # noqa: E402
+from backend import algos, distributed  # noqa: E402
 from backend.config import Config, load_config, to_dict  # noqa: E402
 from backend.data import PromptDataset, load_many  # noqa: E402
 from backend.models import load_model  # noqa: E402
 from backend.rollout import SamplingParams, left_pad  # noqa: E402
 from backend.workers import ActorRolloutRefWorker  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rollout_batch(worker: ActorRolloutRefWorker, cfg: Config) -> dict[str, torch.Tensor]:
@@ -96,7 +89,7 @@ def reference_step(model_path: str, batch: dict[str, torch.Tensor], cfg: Config,
 def compare_first_step(cfg: Config, device: str) -> dict:
     """Run our worker's first update and the fp32 reference on the same batch; return both and whether
     they agree within the tolerance of the worker's compute dtype."""
-    worker = ActorRolloutRefWorker(to_dict(cfg), 0, 1, "127.0.0.1", free_port(), device, total_steps=1)
+    worker = ActorRolloutRefWorker(to_dict(cfg), 0, 1, *distributed.local_meeting_point(), device, total_steps=1)
     try:
         batch = rollout_batch(worker, cfg)
         rows = batch["responses"].shape[0]

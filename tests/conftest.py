@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from pathlib import Path
@@ -33,19 +32,6 @@ def tiny_tokenizer():
     from backend.models import load_tokenizer
 
     return load_tokenizer("tiny-qwen3")
-
-
-@functools.cache
-def _meeting_store():
-    from backend.distributed import meeting_store
-
-    return meeting_store("127.0.0.1")
-
-
-def meeting_point() -> tuple[str, int]:
-    """Where a worker built in this process (rank 0 of a one-rank group) meets: a store served here for the
-    whole session, since the process group, made once per process, outlives the test that made it."""
-    return "127.0.0.1", _meeting_store().port
 
 
 def wait_for(predicate, timeout: float = 240.0) -> None:

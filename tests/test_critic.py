@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from backend.critic import CriticWorker, load_value_model
+from backend.distributed import local_meeting_point
 
-from .conftest import meeting_point
 from .test_workers import full_params, padded_batch
 
 METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",
@@ -27,7 +27,7 @@ def critic_cfg(**extra) -> dict:
 
 def one_rank_critic(**extra) -> CriticWorker:
     """A critic in this process, as rank 0 of a one-process gloo group (the path a one-worker run takes)."""
-    return CriticWorker(critic_cfg(**extra), 0, 1, *meeting_point(), "cpu", total_steps=4)
+    return CriticWorker(critic_cfg(**extra), 0, 1, *local_meeting_point(), "cpu", total_steps=4)
 
 
 def fitting_batch(worker: CriticWorker, tokenizer) -> dict[str, torch.Tensor]:

@@ -9,13 +9,14 @@ from safetensors.torch import load_file
 from backend import checkpoint, lora
 from backend.config import load_config, to_dict
 from backend.decode import StaticCacheEngine
+from backend.distributed import local_meeting_point
 from backend.models import load_model, load_tokenizer
 from backend.rollout import HFGenerateEngine, SamplingParams
 from backend.runs import latest_checkpoint
 from backend.trainer import Trainer
 from backend.workers import ActorRolloutRefWorker
 
-from .conftest import meeting_point, tiny_overrides
+from .conftest import tiny_overrides
 from .test_workers import padded_batch
 
 
@@ -33,7 +34,7 @@ def test_merging_adds_scaled_b_times_a_and_drops_peft_names():
 
 def lora_worker(sample_sets, **extra) -> ActorRolloutRefWorker:
     cfg = load_config(None, tiny_overrides(sample_sets, **{"actor_rollout_ref.model.lora_rank": 4, **extra}))
-    return ActorRolloutRefWorker(to_dict(cfg), 0, 1, *meeting_point(), "cpu", total_steps=2)
+    return ActorRolloutRefWorker(to_dict(cfg), 0, 1, *local_meeting_point(), "cpu", total_steps=2)
 
 
 def test_an_update_moves_only_the_adapters_and_the_reference_stays_the_base(sample_sets, tiny_tokenizer):

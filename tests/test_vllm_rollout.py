@@ -22,7 +22,7 @@ from backend.vllm_rollout import INSTALL, hf_weights, log_prob_rows, row_seed, s
 from backend.worker_group import _merge
 from backend.workers import ActorRolloutRefWorker
 
-from .conftest import meeting_point, tiny_overrides
+from .conftest import tiny_overrides
 from .test_workers import padded_batch
 
 # ---- validation ----
@@ -205,7 +205,7 @@ def test_per_rank_metrics_merge_peaks_by_their_max_and_the_rest_by_their_mean():
 
 
 def one_rank_worker(cfg) -> ActorRolloutRefWorker:
-    return ActorRolloutRefWorker(to_dict(cfg), 0, 1, *meeting_point(), "cpu", total_steps=1)
+    return ActorRolloutRefWorker(to_dict(cfg), 0, 1, *distributed.local_meeting_point(), "cpu", total_steps=1)
 
 
 def _update_cfg(sample_sets, **extra):

@@ -6,11 +6,12 @@ import torch
 
 from backend import algos, workers
 from backend.config import load_config, to_dict
+from backend.distributed import local_meeting_point
 from backend.models import load_model
 from backend.rollout import left_pad
 from backend.workers import ActorRolloutRefWorker, response_log_probs
 
-from .conftest import meeting_point, tiny_overrides
+from .conftest import tiny_overrides
 
 
 def padded_batch(tokenizer):
@@ -45,7 +46,7 @@ def test_temperature_scales_logits_before_the_softmax(tiny_tokenizer):
 
 def one_rank_worker(cfg) -> ActorRolloutRefWorker:
     """A worker in this process, as rank 0 of a one-process gloo group (the path a one-worker run takes)."""
-    return ActorRolloutRefWorker(to_dict(cfg), 0, 1, *meeting_point(), "cpu", total_steps=1)
+    return ActorRolloutRefWorker(to_dict(cfg), 0, 1, *local_meeting_point(), "cpu", total_steps=1)
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
