@@ -228,9 +228,10 @@ class WorkerGroup:
     def _meeting_point(self) -> tuple[str, int]:
         """Where a process group of the ranks meets: a store this controller serves, held as long as the
         group (every node of a Ray cluster reaches the node its driver runs on)."""
-        store = distributed.meeting_store(ray.util.get_node_ip_address())
+        host = ray.util.get_node_ip_address()
+        store = distributed.meeting_store(host)
         self._stores.append(store)
-        return ray.util.get_node_ip_address(), store.port
+        return host, store.port
 
     def _spawn(self, cls: type, bundle: dict, share: float, addr: str, port: int, args: Callable) -> list:
         """One Ray actor of `cls` per rank, rank r in bundle r of the placement with `share` of its resources."""
@@ -268,20 +269,17 @@ class WorkerGroup:
                 except ray.exceptions.RayActorError as e:
                     self.shutdown()
                     if getattr(e, "actor_init_failed", False):
-                        raise WorkerError(f"worker rank {index[ref]} ({self._describe(index[ref])}) failed during "
-                                          f"{what}: {_raised(e)}") from None
-                    raise WorkerError(f"worker rank {index[ref]} ({self._describe(index[ref])}) died during {what}: "
-                                      f"{_death_reason(e)}") from None
+                        raise WorkerError(f"{self._who(index[ref])} failed during {what}: {_raised(e)}") from None
+                    raise WorkerError(f"{self._who(index[ref])} died during {what}: {_death_reason(e)}") from None
                 except ray.exceptions.RayTaskError as e:
                     died = self._death_among([r for r in refs if r is not ref], index)
                     self.shutdown()
                     if died is not None:
                         rank, error = died
-                        raise WorkerError(f"worker rank {rank} ({self._describe(rank)}) died during {what}: "
-                                          f"{_death_reason(error)}") from None
+                        raise WorkerError(f"{self._who(rank)} died during {what}: {_death_reason(error)}") from None
                     cause = e.cause if getattr(e, "cause", None) is not None else e
-                    raise WorkerError(f"worker rank {index[ref]} ({self._describe(index[ref])}) failed during "
-                                      f"{what}: {type(cause).__name__}: {cause}") from e
+                    raise WorkerError(f"{self._who(index[ref])} failed during {what}: "
+                                      f"{type(cause).__name__}: {cause}") from e
             if progress is not None and pending:
                 state = self._progress()
                 # rank 0 reports (kind, numbers...); a report left from an earlier call has another kind
@@ -310,9 +308,11 @@ class WorkerGroup:
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
             return ()
 
-    def _describe(self, rank: int) -> str:
+    def _who(self, rank: int) -> str:
+        """'worker rank r (pid p on host)', or '(not started)' before its start-up call has returned."""
         w = self.where[rank]
-        return f"pid {w['pid']} on {w['host']}" if "pid" in w else "not started"
+        place = f"pid {w['pid']} on {w['host']}" if "pid" in w else "not started"
+        return f"worker rank {rank} ({place})"
 
     def _each(self, method: str, args_per_rank: list[tuple], what: str, progress: Callable | None = None) -> list:
         return self._run([getattr(w, method).remote(*args) for w, args in zip(self.workers, args_per_rank,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from backend import algos, distributed, lora
-from backend.config import ConfigError, load_config, to_dict
+from backend.config import ConfigError, load_config
 from backend.models import load_model
 from backend.rollout import RolloutBatch, SamplingParams, concat_rows
 from backend.vllm_rollout import INSTALL, hf_weights, log_prob_rows, row_seed, sampling_kwargs, vllm_requests
@@ -23,7 +23,7 @@ from backend.worker_group import _merge
 from backend.workers import ActorRolloutRefWorker
 
 from .conftest import tiny_overrides
-from .test_workers import padded_batch
+from .test_workers import one_rank_worker, padded_batch
 
 # ---- validation ----
 
@@ -202,10 +202,6 @@ def test_per_rank_metrics_merge_peaks_by_their_max_and_the_rest_by_their_mean():
 
 
 # ---- a real update with rollout log-probs ----
-
-
-def one_rank_worker(cfg) -> ActorRolloutRefWorker:
-    return ActorRolloutRefWorker(to_dict(cfg), 0, 1, *distributed.local_meeting_point(), "cpu", total_steps=1)
 
 
 def _update_cfg(sample_sets, **extra):
