@@ -1036,6 +1036,19 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     return _chunked_forward(logits.__getitem__, targets, temperature, with_entropy, fns[0])[:2]
 
 
+def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b for an fp32 acc (m, n) and a (m, k), b (k, n) in the model's dtype.
+
+    On a GPU with bf16 or fp16 factors the matmul writes fp32 into acc directly (cuBLAS adds into its
+    output), so the product is never rounded to 16 bits and no cast and add run after it (timed by
+    `bench/vocab_pass_check.py`). PyTorch has that form only on CUDA.
+    """
+    if acc.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += (a @ b).float()
+
+
 class _HeadVocabPass(torch.autograd.Function):
     """The output head's matmul fused with the vocabulary pass, a chunk of rows at a time: neither the
     logits nor their gradient ever exist for the whole micro-batch, only for one chunk. Backward
@@ -1058,8 +1071,8 @@ class _HeadVocabPass(torch.autograd.Function):
         if grad_log_prob is None:
             grad_log_prob = torch.zeros_like(lse)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        # The weight's gradient sums over every chunk: kept in fp32 so the chunks' bf16 products add up
-        # as one matmul's would.
+        # The weight's gradient sums over every chunk: kept in fp32 so the chunks' products add up as one
+        # matmul's would.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
         for c in _row_chunks(hidden.shape[0], hidden.shape[1]):
@@ -1069,7 +1082,7 @@ class _HeadVocabPass(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[c] = grad_logits @ weight
             if grad_weight is not None:
-                grad_weight += (grad_logits.flatten(0, 1).T @ hidden[c].flatten(0, 1)).float()
+                _add_product(grad_weight, grad_logits.flatten(0, 1).T, hidden[c].flatten(0, 1))
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
                 None, None, None, None)
 
