@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from backend import vocab_stats
+
 # =====================================================================================================
 # ---- masked helpers ----
 # =====================================================================================================
@@ -953,8 +955,18 @@ def _vocab_backward(logits: Tensor, targets: Tensor, temperature: float, lse: Te
 @functools.cache
 def _compiled_vocab_pass() -> tuple[Callable, Callable]:
     # Compiled, each direction is one or two fused kernels that read the bf16 logits without writing
-    # an fp32 copy; eager, every step above is its own pass over a (rows, R, V) tensor.
-    return _over_positions(torch.compile(_vocab_forward)), _over_positions(torch.compile(_vocab_backward))
+    # an fp32 copy; eager, every step above is its own pass over a (rows, R, V) tensor. On a GPU the
+    # forward is vocab_stats' kernel, which reads the logits once where the compiled one read them
+    # about three times.
+    compiled_forward = _over_positions(torch.compile(_vocab_forward))
+
+    def forward(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool
+                ) -> tuple[Tensor, Tensor | None, Tensor]:
+        if vocab_stats.available(logits.device):
+            return vocab_stats.vocab_stats(logits, targets, temperature, with_entropy)
+        return compiled_forward(logits, targets, temperature, with_entropy)
+
+    return forward, _over_positions(torch.compile(_vocab_backward))
 
 
 def _over_positions(fn: Callable) -> Callable:
