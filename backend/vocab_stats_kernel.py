@@ -10,40 +10,34 @@ def vocab_stats_kernel(logits_ptr, targets_ptr, log_prob_ptr, entropy_ptr, lse_p
                        N_VOCAB: tl.constexpr, WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
     """One program per position: z = logits[row] / temperature read once, in blocks of BLOCK entries.
 
-    Each lane keeps a running max m, s = sum exp(z - m) and t = sum exp(z - m) (z - m) over the entries
-    it has seen, rescaled when m grows; the lanes are combined at the end. t is kept relative to the
-    running max, so the entropy log S - T / S never subtracts two large numbers.
+    The program keeps the running max m, s = sum exp(z - m) and t = sum exp(z - m) (z - m) over the blocks
+    it has read, rescaling both when a block raises m (one exp an entry; rescaling each lane instead cost
+    three). t is kept relative to the running max, so the entropy log s - t / s never subtracts two large
+    numbers.
     """
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride_row
     lanes = tl.arange(0, BLOCK)
-    m = tl.full([BLOCK], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK], tl.float32)
-    t = tl.zeros([BLOCK], tl.float32)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.full((), 0.0, tl.float32)
+    t = tl.full((), 0.0, tl.float32)
     for start in range(0, N_VOCAB, BLOCK):
         idx = start + lanes
         inside = idx < N_VOCAB
         z = tl.load(base + idx, mask=inside, other=float("-inf")).to(tl.float32) / temperature
-        m_new = tl.maximum(m, z)
-        # A lane that has seen only padding keeps m = -inf: shift it by 0 so exp gives 0, not NaN.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - shift)
-        centred = tl.where(inside, z - shift, 0.0)
+        m_new = tl.maximum(m, tl.max(z, axis=0))  # finite: every block holds at least one entry
+        alpha = tl.exp(m - m_new)  # 0 on the first block, where m is -inf
+        centred = tl.where(inside, z - m_new, 0.0)
         e = tl.where(inside, tl.exp(centred), 0.0)
         if WITH_ENTROPY:
-            moved = tl.where(m == float("-inf"), 0.0, m - shift)
-            t = alpha * (t + s * moved) + e * centred
-        s = s * alpha + e
+            moved = tl.where(m == float("-inf"), 0.0, m - m_new)
+            t = alpha * (t + s * moved) + tl.sum(e * centred, axis=0)
+        s = s * alpha + tl.sum(e, axis=0)
         m = m_new
-    top = tl.max(m, axis=0)
-    weight = tl.exp(m - top)
-    total = tl.sum(s * weight, axis=0)
-    lse = top + tl.log(total)
+    lse = m + tl.log(s)
     target = tl.load(targets_ptr + row)
     z_target = tl.load(base + target).to(tl.float32) / temperature
     tl.store(log_prob_ptr + row, z_target - lse)
     tl.store(lse_ptr + row, lse)
     if WITH_ENTROPY:
-        moved = tl.where(m == float("-inf"), 0.0, m - top)
-        spread = tl.sum(weight * (t + s * moved), axis=0)
-        tl.store(entropy_ptr + row, tl.log(total) - spread / total)
+        tl.store(entropy_ptr + row, tl.log(s) - t / s)
