@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # One call on the GPU machine that measures our engine alone, phase by phase, before a full comparison
-# with TRL (bench/perf_gpu.sh): the decode-attention kernel against PyTorch's attention (attention),
+# with TRL (bench/perf_gpu.sh): the decode-attention kernel against PyTorch's attention (attention), the
+# vocabulary pass's kernel and the head's gradient sum against fp32 (vocab),
 # generation, the update and the reference pass under the profiler, with the same passes on a plain model
 # without FSDP (profile), and the step (step: bench/grpo_step.py --skip-trl). The profile uses the
 # benchmark's settings (micro-batches of 64, reference micro-batches of 128, activation budget 0.7).
-#   bash bench/perf_probe.sh <tokenizer folder> <output folder> [attention] [profile] [step]   (default: all)
+#   bash bench/perf_probe.sh <tokenizer folder> <output folder> [attention] [vocab] [profile] [step]   (default: all)
 set -uo pipefail
 TOK=$1
 OUT=$2
 shift 2
-PARTS=${*:-attention profile step}
+PARTS=${*:-attention vocab profile step}
 mkdir -p "$OUT"
 if [[ " $PARTS " == *" attention "* ]]; then
   python3 bench/decode_attention_check.py --out "$OUT/decode-attention.json" > "$OUT/decode-attention.log" 2>&1
   echo "decode_attention_check rc=$?"
+fi
+if [[ " $PARTS " == *" vocab "* ]]; then
+  python3 bench/vocab_pass_check.py --out "$OUT/vocab-pass.json" > "$OUT/vocab-pass.log" 2>&1
+  echo "vocab_pass_check rc=$?"
 fi
 if [[ " $PARTS " == *" profile "* ]]; then
   WL=$(mktemp -d)
