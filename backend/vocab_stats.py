@@ -14,19 +14,12 @@ from __future__ import annotations
 
 import torch
 
+from backend.decode_attention import available  # the same condition: a CUDA device with Triton installed
+
+__all__ = ["available", "vocab_stats"]
+
 BLOCK = 4096  # vocabulary entries a program reads per iteration
 NUM_WARPS = 8
-
-
-def available(device: torch.device) -> bool:
-    """Whether the kernel can run for tensors on `device` (a CUDA device with Triton installed)."""
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def vocab_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
