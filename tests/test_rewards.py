@@ -481,7 +481,9 @@ def test_once_every_worker_has_hung_the_rows_not_started_are_skipped_as_timeouts
     finally:
         release.set()
     assert elapsed < 1.5
-    assert len(calls) == 2
+    # Rows a and b hang. The first to time out gets a replacement worker, which may start row c before b's
+    # own timeout is seen (b can start a few ms after a); once two rows have hung, no row starts.
+    assert len(calls) <= 3, calls
     assert batch.scores == [0.0] * 6
     assert batch.metrics["reward/timeouts"] == 6.0
 
