@@ -81,6 +81,8 @@ def measure(config: str, overrides: list[str], steps: int, label: str = "", mode
     row["gen_tokens_per_s"] = round(statistics.median(t / m["timing_s/gen"] for t, m in zip(gen_tokens, counted,
                                                                                           strict=True)), 1)
     row["step_times_s"] = [round(m["timing_s/step"], 2) for m in counted]
+    # Each counted step's phases: which phase a slow step lost its time in (the medians cannot say).
+    row["step_phases_s"] = [{p: round(m[f"timing_s/{p}"], 3) for p in PHASES if f"timing_s/{p}" in m} for m in counted]
     # Each worker reports its own peak per phase and step; the busiest GPU of the busiest step is what must fit.
     peak_keys = sorted({k for m in metrics for k in m if k.startswith("perf/max_memory_")})
     for key in peak_keys:
@@ -116,7 +118,7 @@ def main() -> None:
     print(f"| {'quantity':<24} | {'value':>14} |")
     print(f"|{'-' * 26}|{'-' * 16}|")
     for key, value in row.items():
-        if key not in ("overrides", "step_times_s", "first_step"):
+        if key not in ("overrides", "step_times_s", "step_phases_s", "first_step"):
             print(f"| {key:<24} | {value!s:>14} |")
     print(f"step times (s): {row['step_times_s']}")
     print(f"first step: {row['first_step']}")

@@ -4,8 +4,9 @@
 # update time, so only runs of the same call compare.
 #   git archive <commit> | tar -x -C .base      # the earlier tree, carried as an ignored folder
 #   bash bench/perf_ab.sh <tokenizer folder> <earlier tree> <output folder> [run ...]
-# A run is "<name> <base|new> [grpo_step arguments]", one quoted argument each, in the order given; with
-# none: base and this tree alternately, twice each.
+# A run is "<name> <base|new|folder> [grpo_step arguments]", one quoted argument each, in the order given
+# (a folder: a third tree, carried as the earlier one is); with none: base and this tree alternately,
+# twice each.
 set -uo pipefail
 TOK=$(realpath "$1")
 BASE=$(realpath "$2")
@@ -30,6 +31,7 @@ for run in "$@"; do
   read -r name which args <<< "$run"
   tree=$HERE
   [ "$which" = base ] && tree=$BASE
+  [ "$which" != base ] && [ "$which" != new ] && tree=$(realpath "$which")
   # shellcheck disable=SC2086  # the run's arguments split on spaces by design
   step "$tree" "$name" $args
 done
