@@ -7,9 +7,11 @@ advantages and the update, and writes everything into the run directory.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import math
 import os
@@ -37,6 +39,7 @@ from backend.models import load_tokenizer
 from backend.rollout import RolloutBatch, SamplingParams, concat_rows
 from backend.runs import NICE_ENV, RunDir, latest_checkpoint, new_run_dir, read_status
 from backend.worker_group import WorkerError, WorkerGroup
+from backend.workers import freeze_heap
 
 T = TypeVar("T")
 
@@ -91,6 +94,7 @@ class Trainer:
         self._last_stage_write = 0.0
         self._step = 0
         self._ready = False
+        self.tables = TableWriter()
         self.tracking = trackers.Tracking({})  # opened by train(): evaluate or generate alone start no tracker run
 
     # ---- status ----
@@ -207,6 +211,8 @@ class Trainer:
             raise WorkerError(lost) from e
         finally:
             stop()
+            gc.unfreeze()  # what this run held can be collected once it is gone
+            self.tables.finish()
             self.tracking.close()
 
     def _record_failure(self, e: BaseException) -> None:
@@ -236,12 +242,17 @@ class Trainer:
             if t.debug.attach_rank >= 0 and step == t.debug.attach_step:
                 self._wait_for_debugger(t.debug.attach_rank, t.debug.port)
             metrics = self.train_step(step)
+            if step == self.start_step + 1:
+                # What the first step compiled and cached, out of every full collection from now on.
+                freeze_heap()
+                self.workers.freeze_heap()
             last = step == self.total_steps
             if self.val_items and ((t.test_freq and step % t.test_freq == 0) or last):
                 with timer("testing", metrics):
                     metrics.update(self.validate())
             if (t.save_freq and step % t.save_freq == 0) or last:
                 with timer("save_checkpoint", metrics):
+                    self.tables.wait()  # a checkpoint at this step resumes after it: its tables must be whole
                     self.save(step)
             self._log_metrics(metrics)
             self.run.write_status("running", step=step, stage=f"finished step {step}", stage_started=time.time())
@@ -374,9 +385,13 @@ class Trainer:
                 self._check_finite(step, actor_metrics)
             if token_sample is not None:
                 with timer("token_log", timings):
-                    if "before_log_probs" not in token_sample:
-                        token_sample["before_log_probs"], token_sample["entropy"] = self.workers.update_log_probs()
-                    self.run.write_token_log(step, self._token_rows(token_sample))
+                    if one_step:
+                        before, entropy, after = self.workers.update_log_probs()
+                        token_sample.update(before_log_probs=before, entropy=entropy)
+                    else:
+                        after, _ = self.workers.compute_log_prob(token_sample)
+                    self.tables.submit(step, lambda: self.run.write_token_log(step, self._token_rows(token_sample,
+                                                                                                      after)))
 
         # ---- metrics and rollouts ----
         metrics = {"step": step, "epoch": epoch, "time": time.time(), **actor_metrics, **critic_metrics, **kl_metrics,
@@ -394,8 +409,8 @@ class Trainer:
         if scored.first_error:
             metrics["reward/first_error"] = scored.first_error
         if cfg.trainer.rollout_log_max:
-            self.run.write_rollouts(step, rollout_rows(step, rows, texts, scored, advantages, batch,
-                                                       cfg.trainer.rollout_log_max))
+            self.tables.submit(step, lambda: self.run.write_rollouts(step, rollout_rows(
+                step, rows, texts, scored, advantages, batch, cfg.trainer.rollout_log_max)))
         return metrics
 
     def _sample_and_score(self, params: SamplingParams, timings: dict[str, float]
@@ -506,10 +521,10 @@ class Trainer:
             sample["before_log_probs"], sample["entropy"] = self.workers.compute_log_prob(sample)
         return sample
 
-    def _token_rows(self, sample: dict[str, torch.Tensor]) -> dict[str, list]:
+    def _token_rows(self, sample: dict[str, torch.Tensor], after: torch.Tensor) -> dict[str, list]:
         """Per-token quantities of the sampled responses; `clipped` marks tokens whose ratio after the
-        update lies outside the clip range in the direction the advantage pushes (where PPO stops)."""
-        after, _ = self.workers.compute_log_prob(sample)
+        update (`after`: their log-probs then, (k, R)) lies outside the clip range in the direction the
+        advantage pushes (where PPO stops)."""
         before, adv = sample["before_log_probs"], sample["advantages"]
         ratio = torch.exp(after - before)
         clipped = ((adv > 0) & (ratio > 1 + self.clip_high)) | ((adv < 0) & (ratio < 1 - self.clip_low))
@@ -651,6 +666,33 @@ def _in_background(fn: Callable[[], T], on_wait: Callable[[], None]) -> Callable
         return outcome["value"]
 
     return result
+
+
+class TableWriter:
+    """Writes a step's tables (the rollouts and the token view: decoding, building, parquet) on one
+    thread, in order, off the step's path: they are written while the next step generates."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tables")
+        self._pending: list[tuple[int, concurrent.futures.Future]] = []
+
+    def submit(self, step: int, write: Callable[[], object]) -> None:
+        """Queue `write` for `step`, once every earlier step's writes are done (at most one step behind)."""
+        self.wait(before_step=step)
+        self._pending.append((step, self._pool.submit(write)))
+
+    def wait(self, before_step: int | None = None) -> None:
+        """Wait for the writes of the steps before `before_step` (all by default); raise what one raised."""
+        waiting = [(s, f) for s, f in self._pending if before_step is None or s < before_step]
+        self._pending = [(s, f) for s, f in self._pending if before_step is not None and s >= before_step]
+        for _, future in waiting:
+            future.result()
+
+    def finish(self) -> None:
+        """Let the queued writes end, without raising their errors: a stopped or failed run records its
+        own end, and a run that succeeded has waited (and raised) before its last checkpoint."""
+        concurrent.futures.wait([f for _, f in self._pending])
+        self._pending = []
 
 
 def _place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

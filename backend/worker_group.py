@@ -364,13 +364,14 @@ class WorkerGroup:
         args = update_shards(batch, mini_rows, epochs, shuffle, self.world_size)
         return _merge(self._each("update_actor", args, "the actor update", progress))
 
-    def update_log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The log-probs and entropies (k, R) that the last update_actor computed before its first optimizer
-        step for the rows it marked with token_row 0..k-1, in that order (every rank's share gathered)."""
+    def update_log_probs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For the rows the last update_actor marked with token_row 0..k-1, in that order (every rank's
+        share gathered): log-probs and entropies (k, R) before its first optimizer step, and log-probs
+        (k, R) after its last."""
         parts = self._all("update_log_probs", what="the update's log-probs")
-        rows, lps, ents = (torch.cat(p) for p in zip(*parts, strict=True))
+        rows, before, entropy, after = (torch.cat(p) for p in zip(*parts, strict=True))
         order = rows.argsort()
-        return lps[order], ents[order]
+        return before[order], entropy[order], after[order]
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """(B, R) critic values of the state before each response token, rows split evenly over the ranks."""
@@ -417,6 +418,11 @@ class WorkerGroup:
         while not ray.wait([ref], timeout=_POLL_S)[0]:
             heartbeat()
         self._run([ref], "waiting for the debugger")
+
+    def freeze_heap(self) -> list[int]:
+        """workers.freeze_heap in every actor and critic rank, for a run whose first step has compiled and
+        cached what it keeps; how many objects each froze."""
+        return self._run([w.freeze_heap.remote() for w in [*self.workers, *self.critics]], "freezing the heap")
 
     def shutdown(self) -> None:
         """Stop every rank and release the placement group; safe to call twice. With the head gone

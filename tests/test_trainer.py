@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import shutil
+import threading
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -13,8 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from backend.config import ConfigError, load_config
-from backend.runs import list_checkpoints, read_metrics, read_status
-from backend.trainer import Trainer
+from backend.runs import RunDir, list_checkpoints, read_metrics, read_status
+from backend.trainer import TableWriter, Trainer
+from backend.worker_group import WorkerGroup
 
 from .conftest import tiny_overrides
 
@@ -220,3 +223,50 @@ def test_token_log_holds_per_token_quantities_of_the_first_responses(finished_ru
         # cannot be, so the check is on the ids
         decoded = tiny_tokenizer.decode(t["token_ids"], skip_special_tokens=True)
         assert decoded == rollouts[t["row"]]["response"]
+
+
+def test_the_first_step_freezes_the_heap_of_the_controller_and_the_workers_until_the_run_ends(
+        tmp_path, sample_sets, monkeypatch):
+    """After the first step (what it compiled and cached stays), every process's long-lived objects leave
+    the full collections; the controller's are given back to them when the run ends."""
+    seen = []
+    group_freeze = WorkerGroup.freeze_heap
+
+    def spy(group):
+        seen.append((gc.get_freeze_count(), group_freeze(group), len(read_metrics(tmp_path / "r"))))
+        return seen[-1][1]
+
+    monkeypatch.setattr(WorkerGroup, "freeze_heap", spy)
+    train(tmp_path / "r", sample_sets, **{"data.val_files": "[]"})
+    [(controller, workers, steps_logged)] = seen
+    assert controller > 10_000 and len(workers) == 1 and workers[0] > 10_000
+    assert steps_logged == 0  # during step 1's end, before its metrics line
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_table_that_cannot_be_written_fails_the_run_naming_the_error(tmp_path, sample_sets, monkeypatch):
+    """The token view is written off the step's path; a write that fails must still end the run with its
+    error, not vanish with its thread."""
+    def full_disk(self, step, rows):
+        raise OSError(28, "No space left on device", str(self.rollouts))
+
+    monkeypatch.setattr(RunDir, "write_token_log", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        train(tmp_path / "r", sample_sets, **{"data.val_files": "[]"})
+    status = read_status(tmp_path / "r")
+    assert status["state"] == "failed" and "No space left on device" in status["error"]
+
+
+def test_the_table_writer_writes_steps_in_order_at_most_one_step_behind_and_raises_a_failed_write():
+    writer = TableWriter()
+    gate, done = threading.Event(), []
+    writer.submit(1, lambda: (gate.wait(10), done.append("1a")))
+    writer.submit(1, lambda: done.append("1b"))  # the same step's: queued, not waited for
+    assert done == []
+    gate.set()
+    writer.submit(2, lambda: done.append("2"))  # waits for step 1's writes first
+    assert done[:2] == ["1a", "1b"]
+    writer.submit(3, lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        writer.wait()
+    assert done == ["1a", "1b", "2"]

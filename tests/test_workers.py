@@ -70,11 +70,11 @@ def test_one_update_changes_every_trainable_parameter_and_not_the_reference(samp
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
 
 
-def test_the_update_hands_back_its_first_log_probs_of_marked_rows_which_a_pass_before_it_gives(sample_sets,
-                                                                                                 tiny_tokenizer):
-    """What the token view reads as "before" when a step takes one optimizer step: the update's own first
+def test_the_update_hands_back_log_probs_of_marked_rows_before_and_after_it_as_passes_of_their_own(sample_sets,
+                                                                                                   tiny_tokenizer):
+    """What the token view reads when a step takes one optimizer step: as "before", the update's own first
     forward of the rows marked with token_row (in mark order, whatever order the rows came in), equal to
-    a log-prob pass before the update; the weights do change."""
+    a log-prob pass before the update; as "after", a pass at the update's end, equal to one after it."""
     cfg = load_config(None, tiny_overrides(sample_sets, **{"actor_rollout_ref.actor.ppo_mini_batch_size": 2,
                                                           "actor_rollout_ref.rollout.n": 2,
                                                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1}))
@@ -86,13 +86,15 @@ def test_the_update_hands_back_its_first_log_probs_of_marked_rows_which_a_pass_b
     expected_lp, expected_ent = worker.compute_log_prob(batch)
     batch["token_row"] = torch.tensor([-1, 1, -1, 0])  # the token view's rows 0 and 1 are rows 3 and 1
     worker.update_actor(dict(batch), mini_rows=4)
-    rows, lps, ents = worker.update_log_probs()
+    rows, lps, ents, after = worker.update_log_probs()
     order = rows.argsort()
     assert rows[order].tolist() == [0, 1]
     torch.testing.assert_close(lps[order], expected_lp[[3, 1]], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ents[order], expected_ent[[3, 1]], atol=1e-5, rtol=1e-5)
-    after, _ = worker.compute_log_prob(batch)
-    assert not torch.allclose(after[[3, 1]], expected_lp[[3, 1]])
+    # "after" is under the updated weights: what a pass of its own gives now, and not what was before.
+    updated, _ = worker.compute_log_prob(batch)
+    torch.testing.assert_close(after[order], updated[[3, 1]], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(after[order], expected_lp[[3, 1]])
 
 
 def test_gathering_once_per_phase_on_one_rank_updates_exactly_as_gathering_layer_by_layer(sample_sets, tiny_tokenizer):
