@@ -79,11 +79,15 @@ def param_dtype(setting: str, device: torch.device) -> torch.dtype:
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype,
-                offload: bool = False, compile_layers: bool = False) -> torch.nn.Module:
+                offload: bool = False, compile_layers: bool = False, per_layer: bool = True) -> torch.nn.Module:
     """Wrap `model` with FSDP2: each decoder layer is one unit (gathered for its own forward and
     backward, freed after), the root holds the embeddings, final norm and head. Parameters stay in the
     dtype they were loaded in (fp32 master weights for the actor); they are gathered in `compute_dtype`
     and gradients are reduced in fp32.
+
+    per_layer=False: the root is the only unit, for a model whose phases gather it whole anyway
+    (`gathers_once`): units per layer would then only add FSDP's hooks around each layer's forward and
+    backward, host work the GPU waits on.
 
     compile_layers: compile each decoder layer's forward (not the module call, so FSDP's gather and
     free hooks stay outside the graph and parameter names do not change). All layers share one graph,
@@ -101,7 +105,8 @@ def shard_model(model: torch.nn.Module, device: torch.device, compute_dtype: tor
     for layer in decoder_layers(model):
         if compile_layers:
             layer.forward = torch.compile(layer.forward, dynamic=True)
-        fully_shard(layer, **kwargs)
+        if per_layer:
+            fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
 

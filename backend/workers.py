@@ -218,7 +218,7 @@ class ActorRolloutRefWorker(RankWorker):
         self.gather_once = distributed.gathers_once(world_size, arr.actor.fsdp_config.offload_policy)
         self.ref_gather_once = distributed.gathers_once(world_size, arr.ref.fsdp_config.offload_policy)
         distributed.shard_model(self.actor, self.device, dtype, offload=arr.actor.fsdp_config.offload_policy,
-                                compile_layers=compile_layers)
+                                compile_layers=compile_layers, per_layer=not self.gather_once)
         self.actor.train()
         opt = arr.actor.optim
         # With LoRA only the adapters train: the frozen base gets no gradients and no AdamW state.
@@ -237,7 +237,7 @@ class ActorRolloutRefWorker(RankWorker):
             # fp32 weights gather to, so the KL is exactly 0 before the first update.
             self.ref = load_model(arr.model.path, torch.device("cpu"), dtype).eval().requires_grad_(False)
             distributed.shard_model(self.ref, self.device, dtype, offload=arr.ref.fsdp_config.offload_policy,
-                                    compile_layers=compile_layers)
+                                    compile_layers=compile_layers, per_layer=not self.ref_gather_once)
         self.tokenizer = load_tokenizer(arr.model.path, arr.model.tokenizer_path)
         self.rollout = self._rollout_engine(dtype)
         self.temperature = arr.rollout.temperature

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from backend import algos, workers
+from backend import algos, distributed, workers
 from backend.config import load_config, to_dict
 from backend.distributed import local_meeting_point
 from backend.models import load_model
@@ -97,16 +97,21 @@ def test_the_update_hands_back_log_probs_of_marked_rows_before_and_after_it_as_p
     assert not torch.allclose(after[order], expected_lp[[3, 1]])
 
 
-def test_gathering_once_per_phase_on_one_rank_updates_exactly_as_gathering_layer_by_layer(sample_sets, tiny_tokenizer):
-    """One rank keeps the model gathered through a mini-batch and reduces gradients at its last micro-batch
-    only; the weights, metrics and the log-probs after the optimizer step (which must see the new weights,
-    not a stale gathered copy) are those of FSDP's usual gather and free around each layer."""
+def test_gathering_once_per_phase_on_one_rank_updates_exactly_as_gathering_layer_by_layer(sample_sets, tiny_tokenizer,
+                                                                                          monkeypatch):
+    """One rank keeps the model, one FSDP unit, gathered through a mini-batch and reduces gradients at its
+    last micro-batch only; the weights, metrics and the log-probs after the optimizer step (which must see
+    the new weights, not a stale gathered copy) are those of FSDP's usual unit per layer, each gathered
+    and freed around its own forward and backward."""
     cfg = load_config(None, tiny_overrides(sample_sets, **{"actor_rollout_ref.actor.ppo_mini_batch_size": 1,
                                                           "actor_rollout_ref.rollout.n": 2,
                                                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1}))
-    once, layerwise = one_rank_worker(cfg), one_rank_worker(cfg)
-    assert once.gather_once
-    layerwise.gather_once = layerwise.ref_gather_once = False
+    once = one_rank_worker(cfg)
+    monkeypatch.setattr(distributed, "gathers_once", lambda world_size, offload: False)
+    layerwise = one_rank_worker(cfg)
+    assert once.gather_once and not layerwise.gather_once
+    assert len(distributed.fsdp_modules(once.actor)) == 1
+    assert len(distributed.fsdp_modules(layerwise.actor)) == 1 + len(layerwise.actor.model.layers)
     _, batch = padded_batch(tiny_tokenizer)
     batch = {k: torch.cat([v, v.flip(0)]) for k, v in batch.items()}  # 4 rows: 2 optimizer steps of 2 micro-batches
     batch["advantages"] = torch.tensor([[1.0, 1.0, 1.0, 0.0], [-1.0, -1.0, -1.0, -1.0],
