@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -63,6 +64,9 @@ def measure(config: str, overrides: list[str], steps: int, label: str = "", mode
     Trainer(cfg, work / "run", show_progress=True).train()
     wall = time.time() - start
     metrics = read_metrics(work / "run")
+    # The run's last checkpoint (about 7 GB for the Qwen3-0.6B workload) is not needed: on the GPU machine's
+    # 64 GB disk, nine benchmark runs left behind filled it.
+    shutil.rmtree(work, ignore_errors=True)
     counted = metrics[1:]  # the first step is the warm-up
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()}"
     row: dict = {
@@ -114,6 +118,8 @@ def main() -> None:
                                        Path(tempfile.mkdtemp(prefix="bench-model-")) / args.random_model)
     row = measure(args.config, args.overrides, args.steps, args.label, model_dir,
                   f"{args.random_model} (random)" if args.random_model else "")
+    if model_dir is not None:
+        shutil.rmtree(model_dir.parent, ignore_errors=True)
     print()
     print(f"| {'quantity':<24} | {'value':>14} |")
     print(f"|{'-' * 26}|{'-' * 16}|")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -192,6 +193,7 @@ def main() -> None:
                    "table": {k: list(v) for k, v in table.items()}, "ours": ours, "trl": trl})
     out.write_text(json.dumps(record, indent=1))
     print(f"written to {out}")
+    shutil.rmtree(work, ignore_errors=True)  # the workload model, 2.4 GB
 
 
 if __name__ == "__main__":

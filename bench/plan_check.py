@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -81,6 +82,7 @@ def main() -> None:
               "measured", pair["measured_allocated_gib"])
     Path(args.out).write_text(json.dumps({"calibration": planner.CALIBRATION, "pairs": pairs}, indent=1))
     print(f"written to {args.out}")
+    shutil.rmtree(work, ignore_errors=True)  # the workload model, 2.4 GB
 
 
 if __name__ == "__main__":
