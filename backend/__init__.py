@@ -21,16 +21,16 @@ import importlib
 from typing import Any
 
 _PUBLIC = {
-    "load_config": "backend.config",     # YAML + dotted overrides -> validated Config
-    "Config": "backend.config",          # the config dataclass
-    "Trainer": "backend.trainer",        # one run: train(), evaluate(), generate(), export()
-    "register_reward": "backend.rewards",  # decorator: your scorer for a data_source
-    "generate": "backend.inference",     # answer prompts with any model
-    "evaluate": "backend.inference",     # greedy accuracy of any model on a parquet file
-    "ConfigError": "backend.config",
-    "DataError": "backend.data",
-    "RewardError": "backend.rewards",
-    "ModelError": "backend.models",
+    "load_config": "backend.core.config",     # YAML + dotted overrides -> validated Config
+    "Config": "backend.core.config",          # the config dataclass
+    "Trainer": "backend.engine.trainer",        # one run: train(), evaluate(), generate(), export()
+    "register_reward": "backend.rewards.registry",  # decorator: your scorer for a data_source
+    "generate": "backend.engine.inference",     # answer prompts with any model
+    "evaluate": "backend.engine.inference",     # greedy accuracy of any model on a parquet file
+    "ConfigError": "backend.core.config",
+    "DataError": "backend.core.data",
+    "RewardError": "backend.rewards.registry",
+    "ModelError": "backend.core.models",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -11,7 +11,7 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
-from backend.config import ConfigError
+from backend.core.config import ConfigError
 
 
 def _quiet_transformers() -> None:
@@ -24,7 +24,7 @@ def _quiet_transformers() -> None:
 # ---- data ----
 
 def cmd_data_make_sample(args: argparse.Namespace) -> int:
-    from backend import data
+    from backend.core import data
 
     paths = data.write_sample_sets(args.out, seed=args.seed, n_train=args.n_train, n_val=args.n_val)
     for split, path in paths.items():
@@ -33,7 +33,7 @@ def cmd_data_make_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_data_gsm8k(args: argparse.Namespace) -> int:
-    from backend import data
+    from backend.core import data
 
     n = data.convert_gsm8k(args.input, args.output, split=args.split, limit=args.limit)
     print(f"wrote {n} rows to {args.output}")
@@ -65,7 +65,7 @@ class _Tee:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from backend.config import load_config
+    from backend.core.config import load_config
 
     cfg = load_config(None if args.config == "defaults" else args.config, args.overrides)
     rc, _ = _train(cfg, args.run_dir, quiet=args.quiet)
@@ -75,8 +75,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _train(cfg, run_dir: str | None, *, quiet: bool) -> tuple[int, Path]:
     """Train `cfg` with the console teed into the run's logs/train.log; (exit code, run directory)."""
     _quiet_transformers()
-    from backend.trainer import RunStopped, Trainer
-    from backend.worker_group import WorkerError
+    from backend.engine.trainer import RunStopped, Trainer
+    from backend.engine.worker_group import WorkerError
 
     trainer = Trainer(cfg, run_dir, show_progress=not quiet)
     trainer.run.create()
@@ -111,7 +111,7 @@ def _end_stopped_process() -> NoReturn:
 
 def _exit_killing_children(rc: int) -> NoReturn:
     """Flush the console, kill every process this one started (its private Ray) and exit with `rc` at once."""
-    from backend.worker_group import end_children
+    from backend.engine.worker_group import end_children
 
     sys.stdout.flush()
     sys.stderr.flush()
@@ -125,15 +125,15 @@ def end_process(rc: int) -> NoReturn:
     and Ray's orderly shutdown held a finished run's process for 2-3 s after its final status (9 s with
     the Ray head gone), while the UI, a script or a test waited for it to end. A Ray cluster joined by
     address is left properly (its head records the job as finished)."""
-    worker_group = sys.modules.get("backend.worker_group")  # not imported: no Ray to end, and none to import
+    worker_group = sys.modules.get("backend.engine.worker_group")  # not imported: no Ray to end, and none to import
     if worker_group is not None and worker_group.runs_private_ray():
         _exit_killing_children(rc)
     sys.exit(rc)
 
 
 def cmd_recipe(args: argparse.Namespace) -> int:
-    from backend import recipes
-    from backend.config import load_config
+    from backend.core.config import load_config
+    from backend.services import recipes
 
     if args.name == "list":
         for recipe in recipes.RECIPES.values():
@@ -153,7 +153,7 @@ def cmd_recipe(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from backend.plotting import plot_metric
+    from backend.services.plotting import plot_metric
 
     print(plot_metric(args.runs, args.metric, args.out, labels=args.label, title=args.title, smooth=args.smooth,
                       max_step=args.max_step))
@@ -173,8 +173,8 @@ class _LateOverridesParser(argparse.ArgumentParser):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from backend.config import load_config
-    from backend.planner import format_plan, plan
+    from backend.core.config import load_config
+    from backend.services.planner import format_plan, plan
 
     overrides = [*args.overrides, *([f"trainer.n_gpus_per_node={args.gpus}"] if args.gpus is not None else [])]
     cfg = load_config(None if args.config == "defaults" else args.config, overrides)
@@ -187,7 +187,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 # ---- generate / eval ----
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from backend.inference import generate
+    from backend.engine.inference import generate
 
     _quiet_transformers()
     [answers] = generate(args.model, args.prompt, n=args.n, temperature=args.temperature, top_p=args.top_p,
@@ -202,7 +202,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from backend.inference import evaluate
+    from backend.engine.inference import evaluate
 
     if not (args.model or args.run_dir):
         print("error: name a model (--model) or a run checkpoint (--run-dir [--checkpoint])", file=sys.stderr)
@@ -230,8 +230,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _eval_checkpoint(args: argparse.Namespace, progress, bar) -> int:
     """`eval --run-dir RUN [--checkpoint step_N]`: scored as the run scores, saved in RUN/evals/."""
-    from backend.compare import evaluate_checkpoint
-    from backend.runs import latest_checkpoint
+    from backend.core.runs import latest_checkpoint
+    from backend.services.compare import evaluate_checkpoint
 
     checkpoint = args.checkpoint or latest_checkpoint(args.run_dir)
     if checkpoint is None:
@@ -255,7 +255,7 @@ def _eval_checkpoint(args: argparse.Namespace, progress, bar) -> int:
 # ---- export ----
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from backend.export import export_checkpoint
+    from backend.services.export import export_checkpoint
 
     _quiet_transformers()
     out = export_checkpoint(args.checkpoint, args.output, tokenizer_source=args.tokenizer, overwrite=args.overwrite)
@@ -324,7 +324,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
 
 def cmd_docs_config(args: argparse.Namespace) -> int:
-    from backend.docs import write_config_reference
+    from backend.core.docs import write_config_reference
 
     print(f"wrote {write_config_reference(args.output)}")
     return 0
@@ -339,8 +339,8 @@ def _version() -> str:
 # ---- config: verl interop ----
 
 def cmd_config_from_verl(args: argparse.Namespace) -> int:
-    from backend.config import dump_yaml
-    from backend.interop import from_verl_script
+    from backend.core.config import dump_yaml
+    from backend.services.interop import from_verl_script
 
     raw, notes = from_verl_script(Path(args.script).read_text())
     for note in notes:
@@ -355,8 +355,8 @@ def cmd_config_from_verl(args: argparse.Namespace) -> int:
 
 
 def cmd_config_to_verl(args: argparse.Namespace) -> int:
-    from backend.config import load_config
-    from backend.interop import to_verl_command
+    from backend.core.config import load_config
+    from backend.services.interop import to_verl_command
 
     print(to_verl_command(load_config(None if args.config == "defaults" else args.config, args.overrides,
                                       validate=False)))
@@ -420,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                  "different lengths over the same steps)")
     pt.set_defaults(func=cmd_plot)
 
-    from backend.planner import GPUS
+    from backend.services.planner import GPUS
 
     pl = sub.add_parser("plan", help="will it fit? peak GPU memory per phase and step time of a config, before launch",
                         description="Predict peak memory per worker in each phase of a training step and the step "
@@ -501,12 +501,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from backend.data import DataError
-    from backend.interop import InteropError
-    from backend.models import ModelError
-    from backend.plotting import PlotError
-    from backend.recipes import RecipeError
-    from backend.rewards import RewardError
+    from backend.core.data import DataError
+    from backend.core.models import ModelError
+    from backend.rewards.registry import RewardError
+    from backend.services.interop import InteropError
+    from backend.services.plotting import PlotError
+    from backend.services.recipes import RecipeError
 
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)

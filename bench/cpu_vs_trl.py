@@ -28,8 +28,8 @@ sys.path.insert(0, str(BENCH.parent))
 import engine_step  # noqa: E402
 import trl_grpo  # noqa: E402
 
-from backend.config import load_config  # noqa: E402
-from backend.models import resolve_model  # noqa: E402
+from backend.core.config import load_config  # noqa: E402
+from backend.core.models import resolve_model  # noqa: E402
 
 CONFIG = "configs/default.yaml"
 

@@ -6,7 +6,7 @@ each, head_dim 128) and several numbers of written slots. Prints a table, writes
 
 --sweep also times every kernel setting (loop form, slots per block, warps, pipeline stages) at 136 and
 272 written slots, each checked against the fp32 reference, fastest first; --apply then writes the fastest
-(least time at 136 and 272 slots together, within bf16 tolerance) into backend/decode_attention.py's defaults.
+(least time at 136 and 272 slots together, within bf16 tolerance) into backend/kernels/decode_attention.py's defaults.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend import decode_attention as kernel  # noqa: E402
-from backend.decode_attention import decode_attention  # noqa: E402
+from backend.kernels import decode_attention as kernel  # noqa: E402
+from backend.kernels.decode_attention import decode_attention  # noqa: E402
 
 
 def timed(fn, repeats: int = 50) -> float:

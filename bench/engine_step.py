@@ -25,9 +25,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from backend.config import load_config  # noqa: E402
-from backend.runs import read_metrics  # noqa: E402
-from backend.trainer import Trainer  # noqa: E402
+from backend.core.config import load_config  # noqa: E402
+from backend.core.runs import read_metrics  # noqa: E402
+from backend.engine.trainer import Trainer  # noqa: E402
 
 PHASES = ["gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "token_log", "step"]
 

@@ -111,7 +111,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="grpo-step-"))
     rows = prompts_n * samples
     if args.realistic:
-        from backend.models import resolve_model
+        from backend.core.models import resolve_model
 
         model_dir = Path(resolve_model("smollm2-135m-instruct"))
         data = REPO / "sample_data/arithmetic_train.parquet"

@@ -29,9 +29,9 @@ import grpo_step  # noqa: E402
 import reference_step  # noqa: E402
 import trl_grpo  # noqa: E402
 
-from backend import distributed  # noqa: E402
-from backend.config import load_config, to_dict  # noqa: E402
-from backend.workers import ActorRolloutRefWorker  # noqa: E402
+from backend.core.config import load_config, to_dict  # noqa: E402
+from backend.engine import distributed  # noqa: E402
+from backend.engine.workers import ActorRolloutRefWorker  # noqa: E402
 
 
 def measure(model_dir: Path, prompts: Path, rank: int, device: str, small: bool) -> dict:

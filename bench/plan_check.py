@@ -24,8 +24,8 @@ import engine_step  # noqa: E402
 import grpo_step  # noqa: E402
 import trl_grpo  # noqa: E402
 
-from backend import planner  # noqa: E402
-from backend.config import load_config  # noqa: E402
+from backend.core.config import load_config  # noqa: E402
+from backend.services import planner  # noqa: E402
 
 # (label, prompts per step, samples, response tokens, micro-batch, generation batch)
 CONFIGS = [

@@ -1,4 +1,4 @@
-"""Time the data page's backend calls (backend.preview) on a verl-shaped parquet of a million rows.
+"""Time the data page's backend calls (backend.services.preview) on a verl-shaped parquet of a million rows.
 Prints a table and writes the numbers to bench/results/<date>-cpu-preview.json.
 
     python bench/preview_1m.py                 # 1,000,000 rows
@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from backend import preview  # noqa: E402
+from backend.services import preview  # noqa: E402
 
 SOURCES = ["arithmetic", "openai/gsm8k", "lighteval/MATH"]
 
@@ -126,7 +126,7 @@ def main() -> None:
             results[name], samples[name] = timed(call, args.repeat)
 
         if args.tokenizer:
-            from backend.models import load_tokenizer
+            from backend.core.models import load_tokenizer
 
             tokenizer = load_tokenizer(args.tokenizer)
             with preview.open_parquet(path) as pv:

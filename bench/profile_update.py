@@ -27,11 +27,15 @@ sys.path.insert(0, str(BENCH.parent))
 
 import reference_step  # noqa: E402
 
-from backend import algos, decode_attention, distributed  # noqa: E402
-from backend.config import load_config, to_dict  # noqa: E402
-from backend.models import load_model  # noqa: E402
-from backend.rollout import SamplingParams  # noqa: E402
-from backend.workers import ActorRolloutRefWorker, _micro_batches, response_log_probs  # noqa: E402
+from backend.algos.losses import agg_loss, kl_penalty  # noqa: E402
+from backend.core.config import load_config, to_dict  # noqa: E402
+from backend.core.models import load_model  # noqa: E402
+from backend.engine import distributed  # noqa: E402
+from backend.engine.log_probs import response_log_probs  # noqa: E402
+from backend.engine.rank import micro_batches  # noqa: E402
+from backend.engine.workers import ActorRolloutRefWorker  # noqa: E402
+from backend.kernels import decode_attention  # noqa: E402
+from backend.rollout.base import SamplingParams  # noqa: E402
 
 
 def main() -> None:
@@ -104,17 +108,17 @@ def plain_passes(worker: ActorRolloutRefWorker, batch: dict) -> None:
     response_len = dev["responses"].shape[1]
 
     def update() -> None:
-        for mb in _micro_batches(dev, arr.actor.ppo_micro_batch_size_per_gpu):
+        for mb in micro_batches(dev, arr.actor.ppo_micro_batch_size_per_gpu):
             lp, _ = response_log_probs(model, mb["input_ids"], mb["attention_mask"], response_len,
                                        with_entropy=True, compiled=True)
             mask = mb["response_mask"].float()
-            kl = algos.kl_penalty(lp, mb["ref_log_probs"], "low_var_kl")
-            loss = algos.agg_loss(-mb["advantages"] * lp + 0.04 * kl, mask, "token-mean")
+            kl = kl_penalty(lp, mb["ref_log_probs"], "low_var_kl")
+            loss = agg_loss(-mb["advantages"] * lp + 0.04 * kl, mask, "token-mean")
             loss.backward()
 
     @torch.no_grad()
     def reference() -> None:
-        for mb in _micro_batches(dev, arr.ref.log_prob_micro_batch_size_per_gpu):
+        for mb in micro_batches(dev, arr.ref.log_prob_micro_batch_size_per_gpu):
             response_log_probs(model, mb["input_ids"], mb["attention_mask"], response_len, compiled=True)
 
     show = lambda t: ", ".join(f"{x:.3f}" for x in t) + " s"  # noqa: E731

@@ -22,12 +22,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend import algos, distributed  # noqa: E402
-from backend.config import Config, load_config, to_dict  # noqa: E402
-from backend.data import PromptDataset, load_many  # noqa: E402
-from backend.models import load_model  # noqa: E402
-from backend.rollout import SamplingParams, left_pad  # noqa: E402
-from backend.workers import ActorRolloutRefWorker  # noqa: E402
+from backend.algos.losses import kl_penalty
+from backend.core.config import Config, load_config, to_dict  # noqa: E402
+from backend.core.data import PromptDataset, load_many  # noqa: E402
+from backend.core.models import load_model  # noqa: E402
+from backend.engine import distributed  # noqa: E402
+from backend.engine.workers import ActorRolloutRefWorker  # noqa: E402
+from backend.rollout.base import SamplingParams, left_pad  # noqa: E402
 
 
 def rollout_batch(worker: ActorRolloutRefWorker, cfg: Config) -> dict[str, torch.Tensor]:
@@ -77,7 +78,7 @@ def reference_step(model_path: str, batch: dict[str, torch.Tensor], cfg: Config,
             ref = log_probs(frozen, mb)
         ratio = torch.exp(lp - lp.detach())
         pg = (-mb["advantages"] * ratio * mask).sum() / tokens
-        kl = algos.kl_penalty(lp, ref, a.kl_loss_type)
+        kl = kl_penalty(lp, ref, a.kl_loss_type)
         kl_loss = (kl * mask).sum() / tokens
         (pg + a.kl_loss_coef * kl_loss).backward()
         pg_total += pg.item()

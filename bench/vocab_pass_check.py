@@ -1,7 +1,7 @@
 """The vocabulary pass on the GPU, on the workload's shapes (Qwen3's 151,936-entry vocabulary, hidden 1,024,
 a micro-batch of 64 x 256 response positions in 2,048-position chunks): the one-read forward kernel
-(backend/vocab_stats.py) against torch.compile's fused pass and an fp32 reference; the output head's whole
-pass forward and backward (algos.head_token_log_probs, compiled=True); and the head weight's gradient
+(backend/kernels/vocab_stats.py) against torch.compile's fused pass and an fp32 reference; the output head's whole
+pass forward and backward (head_token_log_probs, compiled=True); and the head weight's gradient
 summed over chunks in fp32 by addmm against a bf16 product cast and added. Prints a table, writes a JSON.
 
     python bench/vocab_pass_check.py --out bench/results/<date>-h200-vocab-pass.json
@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend import algos, vocab_stats  # noqa: E402
+from backend.engine.log_probs import _add_product, _over_positions, _vocab_forward, head_token_log_probs
+from backend.kernels import vocab_stats  # noqa: E402
 
 VOCAB, HIDDEN, ROWS, RESPONSE, CHUNK = 151_936, 1024, 64, 256, 2048
 
@@ -50,8 +51,8 @@ def main() -> None:
                     "shapes": {"vocab": VOCAB, "hidden": HIDDEN, "rows": ROWS, "response": RESPONSE, "chunk": CHUNK}}
 
     # Correctness in bf16 against an fp32 pass over the same logits.
-    want = algos._vocab_forward(chunk_logits.float(), chunk_targets, 0.9, True)
-    compiled_forward = algos._over_positions(torch.compile(algos._vocab_forward))
+    want = _vocab_forward(chunk_logits.float(), chunk_targets, 0.9, True)
+    compiled_forward = _over_positions(torch.compile(_vocab_forward))
     errors = {}
     for name, fn in (("kernel", vocab_stats.vocab_stats), ("compiled", compiled_forward)):
         got = fn(chunk_logits, chunk_targets, 0.9, True)
@@ -71,12 +72,12 @@ def main() -> None:
     w = weight.clone().requires_grad_()
 
     def head_step() -> None:
-        log_prob, _ = algos.head_token_log_probs(h, w, targets, 1.0, True, False, compiled=True)
+        log_prob, _ = head_token_log_probs(h, w, targets, 1.0, True, False, compiled=True)
         log_prob.sum().backward()
 
     def head_forward() -> None:
         with torch.no_grad():
-            algos.head_token_log_probs(hidden, weight, targets, 1.0, True, False, compiled=True)
+            head_token_log_probs(hidden, weight, targets, 1.0, True, False, compiled=True)
 
     times["head pass of a micro-batch, forward and backward (ms)"] = timed_ms(head_step)
     times["head pass of a micro-batch, forward only (ms)"] = timed_ms(head_forward)
@@ -92,7 +93,7 @@ def main() -> None:
 
     def addmm() -> None:
         for _ in range(chunks):
-            algos._add_product(acc, grad.T, h_chunk)
+            _add_product(acc, grad.T, h_chunk)
 
     times["head weight gradient of a micro-batch, bf16 product cast and added (ms)"] = timed_ms(cast_and_add)
     times["head weight gradient of a micro-batch, addmm into fp32 (ms)"] = timed_ms(addmm)

@@ -2,10 +2,10 @@
 scored on a data file (accuracy, pass@k, maj@k, the difference with its confidence interval, and the
 questions where they disagree); and evaluating or exporting one checkpoint of a run.
 
-The page draws what `backend.compare` and `backend.export` answer; loaded models are cached there,
+The page draws what `backend.services.compare` and `backend.services.export` answer; loaded models are cached there,
 not here. Every error is shown as a message where it happened; the rest of the page still renders.
 
-Runs inside the workbench (app/main.py, st.navigation) or on its own: `streamlit run pages/compare.py`.
+Runs inside the workbench (app/main.py, st.navigation), or on its own under AppTest.
 """
 
 from __future__ import annotations
@@ -15,11 +15,15 @@ import time
 from pathlib import Path
 
 import streamlit as st
+from page_support import guarded, is_entry_point
 
-from backend import compare, export, launcher, workspace
-from backend.models import SHIPPED, SMOLLM2, is_model_folder
-from backend.pages_runtime import guarded, is_entry_point
-from backend.rollout import SamplingParams
+from backend.core import workspace
+from backend.core.models import SHIPPED, SMOLLM2, is_model_folder
+from backend.rollout.base import SamplingParams
+from backend.services import compare
+from backend.services.export import export_checkpoint
+from backend.services.launcher import list_runs
+from backend.services.model_picker import exports_dir, model_choices
 
 MAX_PROMPTS = 20
 MAX_DISAGREEMENTS_SHOWN = 50
@@ -34,7 +38,7 @@ def _error(what: str, e: Exception) -> None:
 
 
 def _choices() -> dict[str, str]:
-    return dict(export.model_choices(workspace.runs_root(), export.exports_dir()))
+    return dict(model_choices(workspace.runs_root(), exports_dir()))
 
 
 def _resolve_model(side: str, choices: dict[str, str]) -> str:
@@ -264,7 +268,7 @@ def _batch_section(model_a: str | None, model_b: str | None, temperature: float,
 
 
 def _run_section() -> None:
-    runs = launcher.list_runs(workspace.runs_root())
+    runs = list_runs(workspace.runs_root())
     if not runs:
         st.info("No runs yet: launch one on the Runs page (or `python -m backend train`).")
         return
@@ -321,10 +325,10 @@ def _run_section() -> None:
     if st.button("Export as a Hugging Face folder", key="evalx_export"):
         st.session_state.pop("_evalx_exported", None)
         try:
-            target = export.exports_dir() / workspace.check_name((name or "").strip(), "export folder name")
+            target = exports_dir() / workspace.check_name((name or "").strip(), "export folder name")
             source = run.path / ("export" if ckpt == "export" else f"checkpoints/{ckpt}")
             with st.spinner(f"Exporting {ckpt} to {target}..."):
-                out = export.export_checkpoint(source, target, overwrite=overwrite)
+                out = export_checkpoint(source, target, overwrite=overwrite)
             st.session_state["_evalx_exported"] = str(out)
         except Exception as e:  # noqa: BLE001
             _error("Export failed", e)

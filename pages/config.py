@@ -3,14 +3,14 @@ whole YAML; see what one training step does and what the engine says is wrong; s
 the command line that trains it.
 
 Session-state contract (other pages rely on it):
-    st.session_state["config_yaml_text"]  (backend.presets.SESSION_KEY)
+    st.session_state["config_yaml_text"]  (backend.services.presets.SESSION_KEY)
         The YAML text of the config being edited: the single source of truth. The fields and the YAML
         text area are views of it; the Runs page's Launch reads it (validate it with
-        backend.config.config_from_yaml_text). Absent until this page has run once; then the text of
-        backend.presets.DEFAULT_PRESET is the fallback. Another page may replace it: this page shows
+        backend.core.config.config_from_yaml_text). Absent until this page has run once; then the text of
+        backend.services.presets.DEFAULT_PRESET is the fallback. Another page may replace it: this page shows
         the new text the next time it runs.
 
-Runs on its own too: `streamlit run pages/config.py` or AppTest.from_file("pages/config.py").
+Runs on its own too under AppTest.from_file("pages/config.py").
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from pathlib import Path
 
 import streamlit as st
 
-from backend import config as C
-from backend import presets, workspace
-from backend.config import ConfigError
+from backend.core import config as C
+from backend.core import workspace
+from backend.core.config import ConfigError
+from backend.services import presets
 
 TEXT = presets.SESSION_KEY      # the YAML text; see the docstring
 SYNCED = "_config_synced_text"  # the text the field widgets were last filled from
@@ -164,7 +165,7 @@ def _on_load() -> None:
 def _on_check_files(text: str) -> None:
     cfg, problems = C.config_from_yaml_text(text)
     if cfg is not None:
-        from backend.checks import preflight  # loads torch and transformers: only when asked
+        from backend.engine.checks import preflight  # loads torch and transformers: only when asked
 
         try:
             problems = preflight(cfg)
@@ -267,8 +268,8 @@ def _plan_panel(cfg: C.Config | None) -> None:
     # Drawn only while open: the first plan of a model reads its config and builds it on the meta device.
     if not panel.open or cfg is None:  # an invalid config: its problems are shown above already
         return
-    from backend import planner
-    from backend.models import ModelError
+    from backend.core.models import ModelError
+    from backend.services import planner
 
     with panel:
         st.caption("Predicted peak memory of each worker in each phase of a step, and the step's time, from the "
@@ -342,7 +343,7 @@ def _save_and_commands(text: str, cfg: C.Config | None) -> None:
 
 
 def _on_from_verl() -> None:
-    from backend.interop import InteropError, from_verl_script
+    from backend.services.interop import InteropError, from_verl_script
 
     ss = st.session_state
     try:
@@ -355,7 +356,7 @@ def _on_from_verl() -> None:
 
 
 def _verl(cfg: C.Config | None) -> None:
-    from backend.interop import to_verl_command
+    from backend.services.interop import to_verl_command
 
     with st.expander("From / to verl"):
         st.text_area("verl launch script", key="config_verl_script", height=200,
@@ -424,7 +425,7 @@ def render() -> None:
                     _user_code_notice(draft)
     with yaml_col:
         st.text_area("YAML", key="config_yaml", height=720, on_change=_on_yaml,
-                     help="The whole config. Every key is in backend/config.py with its help. Editing a field "
+                     help="The whole config. Every key is in backend/core/config.py with its help. Editing a field "
                           "rewrites this text (comments at the top are kept).")
         st.button("Apply YAML", key="config_apply_yaml", on_click=_on_yaml)
         if draft is None:

@@ -3,10 +3,10 @@
 Pick a file (sample_data/ and uploads/, a typed path, or an upload) and see its schema, first rows with
 chat prompts readable, prompt token lengths against data.max_prompt_length, data sources, ground
 truths, a read-only SQL box over the view `data`, a reward playground, and the problems the engine
-would reject the file for. The page draws what `backend.preview` answers; every error is shown where
+would reject the file for. The page draws what `backend.services.preview` answers; every error is shown where
 it happened and the rest of the page still renders.
 
-Runs inside the workbench (app/main.py, st.navigation) or on its own: `streamlit run pages/data.py`.
+Runs inside the workbench (app/main.py, st.navigation), or on its own under AppTest.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from typing import Any
 
 import plotly.graph_objects as go
 import streamlit as st
+from page_support import guarded, is_entry_point
 
-from backend import preview, rewards, workspace
-from backend.models import SHIPPED, SMOLLM2, load_tokenizer
-from backend.pages_runtime import guarded, is_entry_point
+from backend.core import workspace
+from backend.core.models import SHIPPED, SMOLLM2, load_tokenizer
+from backend.rewards.registry import known_data_sources
+from backend.services import preview
 
 # Read when the page runs (not bound as a default argument), so a test can lower it on the loaded module.
 UPLOAD_LIMIT_MB = 200
@@ -255,7 +257,7 @@ def _sources_and_truths(summary: dict[str, Any]) -> None:
             fig = go.Figure(go.Bar(x=names, y=[n for _, n in summary["sources"]]))
             fig.update_layout(yaxis_title="rows", height=300, margin=dict(t=20, b=40, l=40, r=20))
             st.plotly_chart(fig, key="data_sources_chart")
-            known = set(rewards.known_data_sources())
+            known = set(known_data_sources())
             unknown = [n for n in names if n not in known]
             if unknown:
                 st.warning(f"No built-in reward for: {', '.join(unknown)} (set custom_reward_function).")
@@ -303,13 +305,13 @@ def _fill_from_reference(options: dict[str, tuple[str, str, str]]) -> None:
     source, response, truth = picked
     st.session_state["reward_response"] = response
     st.session_state["reward_ground_truth"] = truth
-    if source in rewards.known_data_sources():
+    if source in known_data_sources():
         st.session_state["reward_source"] = source
 
 
 def _reward_playground(summary: dict[str, Any], path: Path) -> None:
     st.subheader("Reward playground")
-    sources = rewards.known_data_sources()
+    sources = known_data_sources()
     file_sources = [s for s, _ in summary["sources"] if s in sources]
     default = sources.index(file_sources[0]) if file_sources else 0
     options: dict[str, tuple[str, str, str]] = {}

@@ -3,10 +3,10 @@
 Pick a run and a step; see the n responses to each prompt together, with the group's reward mean and
 spread (a group whose responses all scored the same gives GRPO no signal), filter them, follow one
 prompt across steps, and look at a logged response token by token (log-prob, entropy, advantage, KL,
-clipping). Everything is read from the run directory through `backend.inspect_rollouts`; a run with no
+clipping). Everything is read from the run directory through `backend.services.rollouts`; a run with no
 rollouts yet, a deleted run or a torn file gets a message, never a stack trace.
 
-Runs inside the workbench (app/main.py, st.navigation) or on its own: `streamlit run pages/rollouts.py`.
+Runs inside the workbench (app/main.py, st.navigation), or on its own under AppTest.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import Any
 
 import plotly.graph_objects as go
 import streamlit as st
+from page_support import is_entry_point
 
-from backend import inspect_rollouts as ir
-from backend import launcher, workspace
-from backend.pages_runtime import is_entry_point
+from backend.core import workspace
+from backend.services import rollouts as ir
+from backend.services.launcher import list_runs
 
 MAX_GROUPS = 40  # expanders drawn per step; the filters narrow the rest
 HISTORY_STEPS = 20  # steps whose texts are shown under the reward-vs-step chart (newest first)
@@ -85,7 +86,7 @@ def _short(text: Any, n: int = PROMPT_LABEL) -> str:
 
 def _pick_run() -> Path | None:
     root = workspace.runs_root()
-    runs = launcher.list_runs(root)
+    runs = list_runs(root)
     if not runs:
         st.info(f"No runs yet in {root}. Launch one on the Runs page.")
         return None

@@ -9,10 +9,12 @@ from pathlib import Path
 import plotly.graph_objects as go
 import streamlit as st
 
-from backend import launcher, workspace
-from backend.compare import list_evaluations
-from backend.config import ConfigError, config_from_yaml_text
-from backend.presets import DEFAULT_PRESET, SESSION_KEY, preset_yaml_text
+from backend.core import workspace
+from backend.core.config import ConfigError, config_from_yaml_text
+from backend.services.compare import list_evaluations
+from backend.services.launcher import delete, fork, launch, list_runs, log_tail, read_run, resume, stage_info, stop
+from backend.services.presets import DEFAULT_PRESET, SESSION_KEY, preset_yaml_text
+from backend.services.run_views import config_diff, smooth
 
 REFRESH_S = 3
 
@@ -62,7 +64,7 @@ def figure(title: str, pattern, runs: dict[str, list[dict]], smoothing: float) -
                 hi = [m.get("critic/score/max") for m in metrics if isinstance(m.get(key), (int, float))]
                 fig.add_trace(go.Scatter(x=list(steps) + list(steps)[::-1], y=hi + lo[::-1], fill="toself",
                                          line={"width": 0}, opacity=0.2, showlegend=False, hoverinfo="skip"))
-            fig.add_trace(go.Scatter(x=steps, y=launcher.smooth(list(values), smoothing), mode="lines+markers",
+            fig.add_trace(go.Scatter(x=steps, y=smooth(list(values), smoothing), mode="lines+markers",
                                      name=label))
             drawn = True
     if not drawn:
@@ -87,7 +89,7 @@ with st.expander("Launch the current config", expanded=True):
         st.info("Multi-worker and Ray-cluster runs are not built yet; this launches one local process.")
     if st.button("Launch", key="launch_button", type="primary", disabled=cfg is None):
         try:
-            run_dir = launcher.launch(cfg, name=name.strip(), runs_root=root)
+            run_dir = launch(cfg, name=name.strip(), runs_root=root)
             st.session_state["runs_selected"] = run_dir.name
             st.success(f"Launched {run_dir.name}")
         except (ConfigError, ValueError) as e:
@@ -99,7 +101,7 @@ with st.expander("Import a TRL or verl run"):
                              "(trainer.rollout_data_dir: <step>.jsonl files), inside the workspace or GRPO_WB_ROOTS.")
     import_name = st.text_input("Run name", key="import_name", placeholder="trl-gsm8k")
     if st.button("Import", key="import_button", disabled=not (src.strip() and import_name.strip())):
-        from backend.interop import import_external_run
+        from backend.services.interop import import_external_run
 
         try:
             run_dir = import_external_run(workspace.safe_path(src), root, import_name.strip())
@@ -110,7 +112,7 @@ with st.expander("Import a TRL or verl run"):
 
 # ---- the table ----
 
-runs = launcher.list_runs(root)
+runs = list_runs(root)
 if not runs:
     st.info(f"No runs yet in {root}. Launch one above.")
     st.stop()
@@ -118,7 +120,7 @@ if not runs:
 
 @st.fragment(run_every=REFRESH_S)
 def runs_table(states_drawn: dict[str, str]) -> None:
-    current = launcher.list_runs(root)
+    current = list_runs(root)
     # The action buttons below were drawn for the states of the last full run of the page; when a
     # run changes state (finishes, fails), redraw everything so they match.
     if {r.name: r.state for r in current} != states_drawn:
@@ -145,8 +147,8 @@ run_dir = Path(selected.path)
 c1, c2, c3, c4 = st.columns(4)
 with c1:
     if st.button("Stop", key="run_stop", disabled=selected.state not in ("queued", "running")):
-        st.info(f"{selected.name}: {launcher.stop(run_dir)}")
-run_config = launcher.read_run(run_dir).get("config") or {}
+        st.info(f"{selected.name}: {stop(run_dir)}")
+run_config = read_run(run_dir).get("config") or {}
 planned = (run_config.get("trainer") or {}).get("total_training_steps") or selected.total_steps or 1
 with c2:
     total = st.number_input("Train to step", min_value=1, value=int(planned), key=f"resume_total_steps_{selected.name}",
@@ -154,7 +156,7 @@ with c2:
     if st.button("Resume", key="run_resume", disabled=selected.state in ("queued", "running")
                  or not selected.checkpoints):
         try:
-            launcher.resume(run_dir, overrides=[f"trainer.total_training_steps={int(total)}"])
+            resume(run_dir, overrides=[f"trainer.total_training_steps={int(total)}"])
             st.success(f"Resumed {selected.name}")
         except (ConfigError, ValueError) as e:
             st.error(str(e))
@@ -162,7 +164,7 @@ with c3:
     confirm = st.checkbox("Really delete", key="run_delete_confirm")
     if st.button("Delete", key="run_delete", disabled=not confirm):
         try:
-            launcher.delete(run_dir, root)
+            delete(run_dir, root)
             st.session_state.pop("runs_selected", None)
             st.rerun()
         except ValueError as e:
@@ -179,7 +181,7 @@ with c4, st.popover("Fork", disabled=not selected.checkpoints):
             st.error("\n".join(fork_problems))
         else:
             try:
-                new = launcher.fork(run_dir, run_dir / "checkpoints" / ckpt, fork_cfg, name=fork_name.strip())
+                new = fork(run_dir, run_dir / "checkpoints" / ckpt, fork_cfg, name=fork_name.strip())
                 st.success(f"Forked into {new.name}")
             except (ConfigError, ValueError) as e:
                 st.error(str(e))
@@ -216,14 +218,14 @@ def live_status() -> None:
     if not run_dir.exists():
         st.warning(f"{run_dir.name} was deleted.")
         return
-    info = launcher.read_run(run_dir)
+    info = read_run(run_dir)
     if len(info["metrics"]) != metrics_drawn():
         st.rerun()
     status = info.get("status") or {}
     state = status.get("state", "unknown")
     if state in ("queued", "running"):
         stall_after = ((info.get("config") or {}).get("trainer") or {}).get("stall_warning_s", 300.0)
-        stage, elapsed, stalled = launcher.stage_info(status, time.time(), stall_after)
+        stage, elapsed, stalled = stage_info(status, time.time(), stall_after)
         st.markdown(f"**{state}** · step {status.get('step', 0)}/{status.get('total_steps') or '?'} · "
                     f"{stage} · {elapsed:.0f} s")
         if stalled:
@@ -247,17 +249,17 @@ def live_status() -> None:
         if status.get("traceback"):
             st.code(status["traceback"], language="text")
     with st.expander("Log", expanded=state == "failed"):
-        st.code(launcher.log_tail(run_dir, 80) or "(empty)", language="text")
+        st.code(log_tail(run_dir, 80) or "(empty)", language="text")
 
 
 def charts() -> None:
     """The selected run's charts (other runs overlaid), config differences and evaluations."""
-    metrics = launcher.read_run(run_dir)["metrics"] if run_dir.exists() else []
+    metrics = read_run(run_dir)["metrics"] if run_dir.exists() else []
     st.session_state.setdefault("runs_metrics_drawn", {})[str(run_dir)] = len(metrics)
     series = {run_dir.name: metrics}
     for other in others:
         if (root / other).exists():
-            series[other] = launcher.read_run(root / other)["metrics"]
+            series[other] = read_run(root / other)["metrics"]
     if not any(series.values()):
         st.caption("No metrics yet: the first step is still running.")
     else:
@@ -269,8 +271,8 @@ def charts() -> None:
                 columns[drawn % 2].plotly_chart(fig, key=f"chart_{title}", width="stretch")
                 drawn += 1
     if others:
-        configs = {name: (launcher.read_run(root / name).get("config") or {}) for name in series}
-        diff = launcher.config_diff(configs)
+        configs = {name: (read_run(root / name).get("config") or {}) for name in series}
+        diff = config_diff(configs)
         st.subheader("Config keys that differ")
         if diff:
             st.dataframe([{"key": k, **{n: str(v) for n, v in vals.items()}} for k, vals in diff.items()],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -16,12 +17,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+# AppTest runs a page as its own entry point, without the app/ folder that `streamlit run app/main.py` puts
+# on the import path; the pages import their shared helpers (app/page_support.py) from there.
+sys.path.insert(0, str(REPO / "app"))
 SHARED = REPO.parent / "shared"
 
 
 @pytest.fixture(scope="session")
 def sample_sets(tmp_path_factory) -> dict[str, Path]:
-    from backend import data
+    from backend.core import data
 
     out = tmp_path_factory.mktemp("sample_data")
     return data.write_sample_sets(out, seed=0, n_train=64, n_val=16)
@@ -29,7 +33,7 @@ def sample_sets(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    from backend.models import load_tokenizer
+    from backend.core.models import load_tokenizer
 
     return load_tokenizer("tiny-qwen3")
 

@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from backend import rewards
-from backend.config import ConfigError, load_config
-from backend.runs import latest_checkpoint, read_metrics
-from backend.trainer import Trainer
+from backend.core.config import ConfigError, load_config
+from backend.core.runs import latest_checkpoint, read_metrics
+from backend.engine.trainer import Trainer
+from backend.rewards.scoring import score_batch
 
 from .conftest import tiny_overrides
 
@@ -130,7 +130,7 @@ def test_several_reward_functions_are_summed_with_their_weights_and_each_is_logg
         "reward.weights": "[2.0, 0.25]", "trainer.total_training_steps": 1})
     assert "reward/brevity/mean" in lines[0] and "reward/has_digit/mean" in lines[0]
     table = pq.read_table(tmp_path / "multi" / "rollouts" / "step_000001.parquet").to_pandas()
-    rule = rewards.score_batch(list(table["data_source"]), list(table["response"]), list(table["ground_truth"]))
+    rule = score_batch(list(table["data_source"]), list(table["response"]), list(table["ground_truth"]))
     for (_, row), rule_score in zip(table.iterrows(), rule.scores, strict=True):
         brevity = -len(row["response"]) / 100
         digit = float(any(c.isdigit() for c in row["response"]))
@@ -141,9 +141,9 @@ def test_several_reward_functions_are_summed_with_their_weights_and_each_is_logg
 def test_a_reward_model_alone_scores_each_response_as_the_model_does(tmp_path, sample_sets):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from backend.data import load_rows
-    from backend.models import resolve_model
-    from backend.reward_model import load_reward_model, pair_texts
+    from backend.core.data import load_rows
+    from backend.core.models import resolve_model
+    from backend.engine.reward_model import load_reward_model, pair_texts
 
     rm_dir = tmp_path / "tiny-rm"
     source = resolve_model("tiny-qwen3")
@@ -168,7 +168,7 @@ def test_a_reward_model_alone_scores_each_response_as_the_model_does(tmp_path, s
 def test_a_batch_smaller_than_a_mini_batch_is_one_smaller_optimizer_step_split_evenly_over_ranks():
     # DAPO's dynamic sampling may end its last round with fewer kept groups than a mini-batch holds; a
     # dry run of bench/learning_gpu.sh crashed on the empty update this used to make.
-    from backend.worker_group import update_shards
+    from backend.engine.worker_group import update_shards
 
     batch = {"responses": torch.arange(12).view(6, 2), "advantages": torch.arange(6.0)}
     shards = update_shards(batch, mini_rows=16, epochs=1, shuffle=False, world_size=2)

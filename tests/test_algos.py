@@ -9,33 +9,35 @@ import math
 import pytest
 import torch
 
-from backend import algos
-from backend.algos import (
+from backend.algos import advantages, losses
+from backend.algos.advantages import (
+    _ADVANTAGE_ESTIMATORS,
+    advantage_estimators,
+    compute_advantage,
+    get_advantage_fn,
+    groups_with_signal,
+    overlong_penalty,
+    register_advantage,
+)
+from backend.algos.losses import (
+    _POLICY_LOSSES,
     KL_TYPES,
     LOSS_AGG_MODES,
     AdaptiveKLController,
     FixedKLController,
-    advantage_estimators,
     agg_loss,
     apply_kl_penalty,
-    compute_advantage,
     compute_policy_loss,
     compute_policy_loss_gspo,
     compute_value_loss,
     entropy_from_logits,
     explained_variance,
-    get_advantage_fn,
     get_policy_loss_fn,
-    groups_with_signal,
     kl_penalty,
-    masked_mean,
-    masked_var,
-    masked_whiten,
-    overlong_penalty,
     policy_losses,
-    register_advantage,
     register_policy_loss,
 )
+from backend.algos.masked import masked_mean, masked_var, masked_whiten
 
 BIG = 1e6
 NAN = float("nan")
@@ -544,7 +546,7 @@ def test_unknown_advantage_estimator_raises_and_lists_known_names_sorted():
 
 
 def test_compute_advantage_passes_an_estimator_only_the_parameters_it_declares(monkeypatch):
-    monkeypatch.setattr(algos, "_ADVANTAGE_ESTIMATORS", dict(algos._ADVANTAGE_ESTIMATORS))
+    monkeypatch.setattr(advantages, "_ADVANTAGE_ESTIMATORS", dict(_ADVANTAGE_ESTIMATORS))
     received = {}
 
     @register_advantage("scaled")
@@ -560,7 +562,7 @@ def test_compute_advantage_passes_an_estimator_only_the_parameters_it_declares(m
 
 
 def test_compute_advantage_passes_everything_to_an_estimator_with_var_keywords(monkeypatch):
-    monkeypatch.setattr(algos, "_ADVANTAGE_ESTIMATORS", dict(algos._ADVANTAGE_ESTIMATORS))
+    monkeypatch.setattr(advantages, "_ADVANTAGE_ESTIMATORS", dict(_ADVANTAGE_ESTIMATORS))
     received = {}
 
     @register_advantage("greedy")
@@ -583,13 +585,13 @@ def test_compute_advantage_passes_everything_to_an_estimator_with_var_keywords(m
 
 
 def test_registering_an_advantage_name_twice_raises(monkeypatch):
-    monkeypatch.setattr(algos, "_ADVANTAGE_ESTIMATORS", dict(algos._ADVANTAGE_ESTIMATORS))
+    monkeypatch.setattr(advantages, "_ADVANTAGE_ESTIMATORS", dict(_ADVANTAGE_ESTIMATORS))
     with pytest.raises(ValueError, match="already registered"):
         register_advantage("grpo")(lambda token_level_rewards: (token_level_rewards, token_level_rewards))
 
 
 def test_registering_an_estimator_that_needs_an_unknown_input_raises(monkeypatch):
-    monkeypatch.setattr(algos, "_ADVANTAGE_ESTIMATORS", dict(algos._ADVANTAGE_ESTIMATORS))
+    monkeypatch.setattr(advantages, "_ADVANTAGE_ESTIMATORS", dict(_ADVANTAGE_ESTIMATORS))
     with pytest.raises(TypeError, match="prompt_lengths"):
         register_advantage("needs_lengths")(lambda token_level_rewards, prompt_lengths: None)
 
@@ -677,7 +679,7 @@ def test_vanilla_policy_loss_is_registered_and_unknown_names_list_the_known_ones
 
 
 def test_a_registered_policy_loss_can_be_looked_up_by_name(monkeypatch):
-    monkeypatch.setattr(algos, "_POLICY_LOSSES", dict(algos._POLICY_LOSSES))
+    monkeypatch.setattr(losses, "_POLICY_LOSSES", dict(_POLICY_LOSSES))
 
     @register_policy_loss("halved")
     def halved(old_log_probs, log_probs, advantages, response_mask, **kwargs):

@@ -8,7 +8,9 @@ import sys
 import pytest
 
 import backend
-from backend.runs import read_metrics
+from backend.core.runs import read_metrics
+from backend.rewards.registry import register_reward
+from backend.rewards.rules import arithmetic_score
 
 from .conftest import REPO, tiny_overrides
 
@@ -54,8 +56,7 @@ def test_a_reward_function_returning_a_non_number_scores_zero_and_is_reported(tm
         cfg = backend.load_config(None, tiny_overrides(sample_sets, **{"data.val_files": "[]"}))
         metrics = backend.Trainer(cfg, tmp_path / "r", show_progress=False).train()
     finally:
-        from backend import rewards
-        rewards.register_reward("arithmetic")(rewards.arithmetic_score)
+        register_reward("arithmetic")(arithmetic_score)
     assert metrics["reward/invalid"] == 8 and metrics["critic/score/max"] == 0.0
     assert "says_yes" in metrics["reward/first_error"] or "yes" in metrics["reward/first_error"]
 

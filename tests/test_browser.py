@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from backend import launcher
-from backend.runs import read_metrics
+from backend.core.runs import read_metrics
+from backend.services.launcher import list_runs, read_run, stop
 
 from .conftest import REPO
 
@@ -91,9 +91,9 @@ def start_server(workspace: Path) -> tuple[subprocess.Popen, str]:
 
 
 def stop_runs_and_server(workspace: Path, server: subprocess.Popen) -> None:
-    for run in launcher.list_runs(workspace / "runs"):
+    for run in list_runs(workspace / "runs"):
         if run.state in ("queued", "running"):
-            launcher.stop(Path(run.path), grace_s=5)
+            stop(Path(run.path), grace_s=5)
     server.terminate()
     server.wait(timeout=20)
 
@@ -250,7 +250,7 @@ def test_launch_watch_stop_and_fork_a_tiny_run(page, workspace):
             stop.click()
             settle(page)
         deadline = time.time() + 30
-        while time.time() < deadline and (run := launcher.list_runs(workspace / "runs")[0]).state != "stopped":
+        while time.time() < deadline and (run := list_runs(workspace / "runs")[0]).state != "stopped":
             time.sleep(1)
         if run.state == "stopped":
             break
@@ -262,19 +262,19 @@ def test_launch_watch_stop_and_fork_a_tiny_run(page, workspace):
     page.get_by_text("Forked into").first.wait_for()
     deadline = time.time() + 120
     while time.time() < deadline:
-        forks = [r for r in launcher.list_runs(workspace / "runs") if r.name != run.name]
+        forks = [r for r in list_runs(workspace / "runs") if r.name != run.name]
         if forks and forks[0].step > run.step:
             break
         time.sleep(1)
     assert forks and forks[0].step > int(run.checkpoints[-1].split("_")[1])
-    launcher.stop(Path(forks[0].path), grace_s=5)
+    stop(Path(forks[0].path), grace_s=5)
 
 
 @pytest.fixture(scope="module")
 def finished_run(workspace, sample_sets) -> Path:
     """A finished 3-step tiny-model run inside the app's workspace, with token logs and checkpoints."""
-    from backend.config import load_config
-    from backend.trainer import Trainer
+    from backend.core.config import load_config
+    from backend.engine.trainer import Trainer
 
     from .conftest import tiny_overrides
 
@@ -341,7 +341,7 @@ def test_a_run_outlives_a_restart_of_the_workbench_and_the_new_one_shows_it(brow
         go(page, "Runs")
         launch_from_runs_page(page, "survivor")
         page.context.close()
-        [run] = launcher.list_runs(home / "runs")
+        [run] = list_runs(home / "runs")
         deadline = time.time() + 180
         while time.time() < deadline and not read_metrics(run.path):
             time.sleep(1)
@@ -366,9 +366,9 @@ def test_a_run_outlives_a_restart_of_the_workbench_and_the_new_one_shows_it(brow
             page.wait_for_timeout(1000)
         assert chart_points(page) >= 2  # the new server reads the run directory and draws it
         deadline = time.time() + 240
-        while time.time() < deadline and launcher.read_run(run.path)["status"].get("state") != "succeeded":
+        while time.time() < deadline and read_run(run.path)["status"].get("state") != "succeeded":
             time.sleep(1)
-        assert launcher.read_run(run.path)["status"]["state"] == "succeeded"
+        assert read_run(run.path)["status"]["state"] == "succeeded"
         assert [m["step"] for m in read_metrics(run.path)] == list(range(1, 31))
         page.context.close()
     finally:
@@ -391,13 +391,13 @@ def test_eight_runs_launched_at_once_all_finish_while_four_tabs_watch_them(brows
         go(page, "Runs")
         for i in range(8):
             launch_from_runs_page(page, f"load-{i}")
-        runs = launcher.list_runs(home / "runs")
+        runs = list_runs(home / "runs")
         assert len(runs) == 8
         # Page times are the report here, not the verdict: a first paint while 8 runs start their Rays on
         # 2 cores once took over 60 s (issue 9's open UI-under-load problem).
         tabs = [open_page(browser, url, timeout_s=300) for _ in range(4)]
         def all_ended() -> bool:
-            return all(r.state in ("succeeded", "failed", "stopped") for r in launcher.list_runs(home / "runs"))
+            return all(r.state in ("succeeded", "failed", "stopped") for r in list_runs(home / "runs"))
 
         deadline = time.time() + 900
         ended = False
@@ -419,7 +419,7 @@ def test_eight_runs_launched_at_once_all_finish_while_four_tabs_watch_them(brows
         page.context.close()
     finally:
         stop_runs_and_server(home, server)
-    finished = launcher.list_runs(home / "runs")
+    finished = list_runs(home / "runs")
     assert sorted(r.state for r in finished) == ["succeeded"] * 8, [(r.name, r.state, r.error) for r in finished]
     for run in finished:
         assert [m["step"] for m in read_metrics(run.path)] == list(range(1, steps + 1)), run.name

@@ -11,8 +11,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from backend import data
-from backend.runs import read_metrics, read_status
+from backend.core import data
+from backend.core.runs import read_metrics, read_status
 
 from .conftest import REPO, SHARED, tiny_overrides
 
@@ -113,7 +113,7 @@ def test_lengths_past_the_models_context_are_refused_before_start(tmp_path, samp
 def test_generate_prints_the_greedy_answer_that_plain_transformers_gives(cli_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from backend.models import resolve_model
+    from backend.core.models import resolve_model
 
     for model in (str(cli_run / "export"), "tiny-qwen3"):
         result = cli("generate", "--model", model, "--prompt", "What is 2 + 2?", "--max-new-tokens", "5")

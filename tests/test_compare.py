@@ -12,10 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from backend import compare, data
-from backend.config import load_config
-from backend.rollout import SamplingParams
-from backend.trainer import Trainer
+from backend.core import data
+from backend.core.config import load_config
+from backend.engine.trainer import Trainer
+from backend.rollout.base import SamplingParams
+from backend.services import compare
 
 from .conftest import tiny_overrides
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.config import ConfigError, batch_plan, field_specs, load_config, to_yaml
+from backend.core.config import ConfigError, batch_plan, field_specs, load_config, to_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 

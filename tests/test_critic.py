@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from backend.critic import CriticWorker, load_value_model
-from backend.distributed import local_meeting_point
+from backend.engine.critic import CriticWorker, load_value_model
+from backend.engine.distributed import local_meeting_point
 
 from .test_workers import full_params, padded_batch
 

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from backend.data import (
+from backend.core.data import (
     ARITHMETIC_INSTRUCTION,
     GSM8K_INSTRUCTION,
     DataError,

@@ -7,11 +7,12 @@ import pytest
 import torch
 from transformers import GPT2Config
 
-from backend import checks, decode
-from backend.config import load_config
-from backend.decode import StaticCacheEngine
-from backend.models import load_model, load_tokenizer, model_config
-from backend.rollout import HFGenerateEngine, SamplingParams
+from backend.core.config import load_config
+from backend.core.models import load_model, load_tokenizer, model_config
+from backend.engine import checks
+from backend.rollout import static_cache
+from backend.rollout.base import HFGenerateEngine, SamplingParams
+from backend.rollout.static_cache import StaticCacheEngine
 from tests.conftest import tiny_overrides
 
 PROMPTS = ("2 + 3 =", "what is 7 - 4?", "9 - 1 = ?", "Tom has 3 apples and buys 4 more. How many apples?")
@@ -63,12 +64,12 @@ def test_the_engine_follows_the_weights_it_is_given():
 
 
 def test_models_the_engine_cannot_run_are_named_with_the_reason(tmp_path, sample_sets):
-    assert decode.unsupported_reason(model_config("tiny-qwen3")) is None
+    assert static_cache.unsupported_reason(model_config("tiny-qwen3")) is None
     gpt2 = tmp_path / "gpt2"
     config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=512, architectures=["GPT2LMHeadModel"])
     config.save_pretrained(gpt2)
     load_tokenizer("tiny-qwen3").save_pretrained(gpt2)
-    assert "GPT2LMHeadModel" in decode.unsupported_reason(model_config(str(gpt2)))
+    assert "GPT2LMHeadModel" in static_cache.unsupported_reason(model_config(str(gpt2)))
     cfg = load_config("configs/default.yaml", tiny_overrides(sample_sets) + [
         f"actor_rollout_ref.model.path={gpt2}", "actor_rollout_ref.rollout.name=workbench"])
     problems = checks.preflight(cfg)

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend import decode_attention
-from backend.decode import StaticCacheEngine
-from backend.models import load_model, load_tokenizer
-from backend.rollout import HFGenerateEngine, SamplingParams
+from backend.core.models import load_model, load_tokenizer
+from backend.kernels import decode_attention
+from backend.rollout.base import HFGenerateEngine, SamplingParams
+from backend.rollout.static_cache import StaticCacheEngine
 
 pytest.importorskip("triton", reason="the kernel is written in Triton (installed with the dev extra)")
 if torch.cuda.is_available():

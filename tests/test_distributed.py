@@ -17,12 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backend import checkpoint, distributed
-from backend.config import ConfigError, load_config
-from backend.models import resolve_model
-from backend.runs import list_checkpoints, read_metrics, read_status
-from backend.trainer import Trainer
-from backend.worker_group import WorkerError
+from backend.core import checkpoint
+from backend.core.config import ConfigError, load_config
+from backend.core.models import resolve_model
+from backend.core.runs import list_checkpoints, read_metrics, read_status
+from backend.engine import distributed
+from backend.engine.trainer import Trainer
+from backend.engine.worker_group import WorkerError
 
 from .conftest import REPO, tiny_overrides, wait_for
 

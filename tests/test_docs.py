@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from backend.cli import main
-from backend.config import field_specs
-from backend.docs import config_reference
+from backend.core.config import field_specs
+from backend.core.docs import config_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,9 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backend import checkpoint, compare, export
-from backend.config import load_config
-from backend.trainer import Trainer
+from backend.core import checkpoint
+from backend.core.config import load_config
+from backend.core.runs import checkpoint_step, has_tokenizer, run_dir_of, tokenizer_source
+from backend.engine.trainer import Trainer
+from backend.services import compare
+from backend.services.export import ExportError, export_checkpoint
+from backend.services.model_picker import model_choices
 
 from .conftest import REPO, tiny_overrides
 
@@ -31,19 +35,19 @@ def tiny_run(tmp_path_factory, sample_sets) -> Path:
 
 def test_a_checkpoint_keeps_its_tokenizer_beside_the_shards_and_an_export_holds_its_own(tiny_run):
     ckpt = tiny_run / "checkpoints" / "step_2"
-    assert not export.has_tokenizer(ckpt)
-    assert export.run_dir_of(ckpt) == tiny_run.resolve()
-    assert export.tokenizer_source(ckpt) == str(ckpt / "huggingface")  # each checkpoint keeps a copy
-    assert export.tokenizer_source(tiny_run / "export") == str(tiny_run / "export")  # it has its own
-    assert export.tokenizer_source("tiny-llama") == "tiny-llama"
-    assert export.checkpoint_step(ckpt) == 2 and export.checkpoint_step(tiny_run / "export") == 2
+    assert not has_tokenizer(ckpt)
+    assert run_dir_of(ckpt) == tiny_run.resolve()
+    assert tokenizer_source(ckpt) == str(ckpt / "huggingface")  # each checkpoint keeps a copy
+    assert tokenizer_source(tiny_run / "export") == str(tiny_run / "export")  # it has its own
+    assert tokenizer_source("tiny-llama") == "tiny-llama"
+    assert checkpoint_step(ckpt) == 2 and checkpoint_step(tiny_run / "export") == 2
 
 
 def test_an_exported_checkpoint_loads_with_transformers_alone(tiny_run, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ckpt = tiny_run / "checkpoints" / "step_2"
-    out = export.export_checkpoint(ckpt, tmp_path / "exported")
+    out = export_checkpoint(ckpt, tmp_path / "exported")
     assert out == tmp_path / "exported"
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "README.md"} <= names
@@ -60,7 +64,7 @@ def test_an_exported_checkpoint_loads_with_transformers_alone(tiny_run, tmp_path
 
 
 def test_the_model_card_records_base_model_step_data_config_and_evaluations(tiny_run, tmp_path, sample_sets):
-    out = export.export_checkpoint(tiny_run / "checkpoints" / "step_2", tmp_path / "card")
+    out = export_checkpoint(tiny_run / "checkpoints" / "step_2", tmp_path / "card")
     card = (out / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers")
     assert "base model **tiny-qwen3**" in card
@@ -77,9 +81,9 @@ def test_a_runs_export_and_an_older_checkpoint_export_too(tiny_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
     for source in (tiny_run / "export", tiny_run / "checkpoints" / "step_1"):
-        out = export.export_checkpoint(source, tmp_path / source.name)
+        out = export_checkpoint(source, tmp_path / source.name)
         AutoModelForCausalLM.from_pretrained(out)
-        assert export.has_tokenizer(out)
+        assert has_tokenizer(out)
     assert "step 1 of 2" in (tmp_path / "step_1" / "README.md").read_text()
 
 
@@ -87,37 +91,37 @@ def test_export_refuses_an_existing_folder_unless_told_to_replace_it(tiny_run, t
     target = tmp_path / "taken"
     target.mkdir()
     (target / "keep.txt").write_text("mine")
-    with pytest.raises(export.ExportError, match="already exists"):
-        export.export_checkpoint(tiny_run / "checkpoints" / "step_2", target)
+    with pytest.raises(ExportError, match="already exists"):
+        export_checkpoint(tiny_run / "checkpoints" / "step_2", target)
     assert (target / "keep.txt").exists()
-    export.export_checkpoint(tiny_run / "checkpoints" / "step_2", target, overwrite=True)
+    export_checkpoint(tiny_run / "checkpoints" / "step_2", target, overwrite=True)
     assert not (target / "keep.txt").exists() and (target / "model.safetensors").exists()
 
 
 def test_export_explains_folders_it_cannot_export(tiny_run, tmp_path):
-    with pytest.raises(export.ExportError, match="does not exist"):
-        export.export_checkpoint(tmp_path / "missing", tmp_path / "out")
+    with pytest.raises(ExportError, match="does not exist"):
+        export_checkpoint(tmp_path / "missing", tmp_path / "out")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(export.ExportError, match="no config.json"):
-        export.export_checkpoint(tmp_path / "empty", tmp_path / "out")
+    with pytest.raises(ExportError, match="no config.json"):
+        export_checkpoint(tmp_path / "empty", tmp_path / "out")
     # Weights without a tokenizer, outside any run: nothing says which tokenizer belongs to them...
     loose = tmp_path / "loose"
     loose.mkdir()
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         (loose / name).write_bytes((tiny_run / "export" / name).read_bytes())
-    with pytest.raises(export.ExportError, match="tokenizer_source"):
-        export.export_checkpoint(loose, tmp_path / "out")
+    with pytest.raises(ExportError, match="tokenizer_source"):
+        export_checkpoint(loose, tmp_path / "out")
     # ...unless the caller says so.
-    out = export.export_checkpoint(loose, tmp_path / "out", tokenizer_source="tiny-qwen3")
-    assert export.has_tokenizer(out)
-    with pytest.raises(export.ExportError, match="inside the checkpoint"):
-        export.export_checkpoint(loose, loose / "sub")
+    out = export_checkpoint(loose, tmp_path / "out", tokenizer_source="tiny-qwen3")
+    assert has_tokenizer(out)
+    with pytest.raises(ExportError, match="inside the checkpoint"):
+        export_checkpoint(loose, loose / "sub")
 
 
 def test_model_choices_list_shipped_models_exports_and_checkpoints(tiny_run, tmp_path):
     exports = tmp_path / "exports"
-    export.export_checkpoint(tiny_run / "checkpoints" / "step_1", exports / "mine")
-    choices = dict(export.model_choices(tiny_run.parent, exports))
+    export_checkpoint(tiny_run / "checkpoints" / "step_1", exports / "mine")
+    choices = dict(model_choices(tiny_run.parent, exports))
     assert choices["tiny-qwen3 (shipped)"] == "tiny-qwen3"
     assert choices[f"run {tiny_run.name} · export"] == str(tiny_run / "export")
     assert choices[f"run {tiny_run.name} · step_2"] == str(tiny_run / "checkpoints" / "step_2")

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from backend import checkpoint, launcher
-from backend.config import load_config
-from backend.runs import list_checkpoints, read_metrics, read_status
-from backend.trainer import NonFiniteError, Trainer
+from backend.core import checkpoint
+from backend.core.config import load_config
+from backend.core.runs import list_checkpoints, read_metrics, read_status
+from backend.engine.trainer import NonFiniteError, Trainer
+from backend.services.launcher import _alive, launch, list_runs, resume
 
 from .conftest import tiny_overrides, wait_for
 
@@ -73,15 +74,15 @@ def straight_run(tmp_path_factory, config) -> Path:
 
 def test_a_run_killed_with_sigkill_mid_step_resumes_to_the_same_result(tmp_path, config, rewards, straight_run):
     cfg = config(paced=True)
-    run_dir = launcher.launch(cfg, name="killed", runs_root=tmp_path)
+    run_dir = launch(cfg, name="killed", runs_root=tmp_path)
     # kill once step 3 is under way: checkpoint step_2 exists and step 3 has not finished
     wait_for(lambda: (read_status(run_dir) or {}).get("step", 0) >= 3 and len(read_metrics(run_dir)) == 2)
     os.killpg(read_status(run_dir)["pgid"], signal.SIGKILL)
-    wait_for(lambda: [r for r in launcher.list_runs(tmp_path) if r.state == "failed"], timeout=30)
+    wait_for(lambda: [r for r in list_runs(tmp_path) if r.state == "failed"], timeout=30)
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_2"]
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]  # everything up to the kill is intact
 
-    launcher.resume(run_dir, overrides=[fast_reward_override(rewards)])
+    resume(run_dir, overrides=[fast_reward_override(rewards)])
     wait_for(lambda: (read_status(run_dir) or {}).get("state") == "succeeded")
     assert_same_run(straight_run, run_dir)
 
@@ -180,7 +181,7 @@ def test_when_the_ray_head_is_gone_the_run_fails_clearly_and_resumes_from_its_ch
             "custom_reward_function.path": str(reward_with_sleep(seconds))}))
 
     cfg = config_with_sleep(1.5)  # 1.5 s a step: the run outlasts the ~10 s it takes to notice the head is gone
-    run_dir = launcher.launch(cfg, name="headless", runs_root=tmp_path)
+    run_dir = launch(cfg, name="headless", runs_root=tmp_path)
     wait_for(lambda: list_checkpoints(run_dir) and (read_status(run_dir) or {}).get("step", 0) >= 3)
     # The private Ray the trainer started: its GCS server is the head every worker and the driver talk to.
     [gcs] = [pid for pid, name in _children(read_status(run_dir)["pid"]).items() if name == "gcs_server"]
@@ -191,11 +192,11 @@ def test_when_the_ray_head_is_gone_the_run_fails_clearly_and_resumes_from_its_ch
     steps = [m["step"] for m in read_metrics(run_dir)]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) < 12
     assert checkpoint.load_merged_model(list_checkpoints(run_dir)[-1])
-    wait_for(lambda: not launcher._alive(status["pid"]), timeout=90)
+    wait_for(lambda: not _alive(status["pid"]), timeout=90)
 
     # The same scores without the sleep: only the run that is interrupted needs pacing (18 s less), so the
     # resumed rest of it and the straight run it is compared with score the same way without it (12 s less).
-    launcher.resume(run_dir, overrides=[f"custom_reward_function.path={reward_with_sleep(0)}"])
+    resume(run_dir, overrides=[f"custom_reward_function.path={reward_with_sleep(0)}"])
     wait_for(lambda: (read_status(run_dir) or {}).get("state") == "succeeded", timeout=240)
     Trainer(config_with_sleep(0), tmp_path / "straight", show_progress=False).train()
     assert_same_run(tmp_path / "straight", run_dir, steps=12)
@@ -203,16 +204,16 @@ def test_when_the_ray_head_is_gone_the_run_fails_clearly_and_resumes_from_its_ch
 
 def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_whole_one(tmp_path, config, rewards,
                                                                                      straight_run):
-    run_dir = launcher.launch(config(paced=True), name="torn", runs_root=tmp_path)
+    run_dir = launch(config(paced=True), name="torn", runs_root=tmp_path)
     # the trainer says "saving checkpoint step_4" as the write starts; kill the whole process group then
     wait_for(lambda: ((read_status(run_dir) or {}).get("stage") or "").startswith("saving checkpoint step_4"))
     os.killpg(read_status(run_dir)["pgid"], signal.SIGKILL)
-    wait_for(lambda: [r for r in launcher.list_runs(tmp_path) if r.state == "failed"], timeout=30)
+    wait_for(lambda: [r for r in list_runs(tmp_path) if r.state == "failed"], timeout=30)
     whole = [p.name for p in list_checkpoints(run_dir)]
     assert whole[0] == "step_2" and set(whole) <= {"step_2", "step_4"}  # never a half-written one
     for name in whole:
         assert checkpoint.load_merged_model(run_dir / "checkpoints" / name)
-    launcher.resume(run_dir, overrides=[fast_reward_override(rewards)])
+    resume(run_dir, overrides=[fast_reward_override(rewards)])
     wait_for(lambda: (read_status(run_dir) or {}).get("state") == "succeeded")
     assert_same_run(straight_run, run_dir)
 
@@ -220,7 +221,7 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_whole
 def test_a_stop_signal_landing_inside_rays_wait_still_counts_as_a_stop_not_a_failure():
     # Seen when a stop arrived during ray.wait: Ray's C extension reports the handler's RunStopped as
     # "SystemError: ... returned a result with an exception set", caused by it; the run was marked failed.
-    from backend.trainer import RunStopped, _stopped
+    from backend.engine.trainer import RunStopped, _stopped
 
     inside_c = SystemError("<cyfunction CoreWorker.wait> returned a result with an exception set")
     inside_c.__cause__ = RunStopped("received signal 15")

@@ -1,4 +1,4 @@
-"""backend.inspect_rollouts on hand-made rollout and token files: grouping stats worked out by hand,
+"""backend.services.rollouts on hand-made rollout and token files: grouping stats worked out by hand,
 each filter, one prompt across steps, the token log lookup, and the token HTML (escaped, coloured by
 sign, clipped tokens outlined)."""
 
@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from backend import inspect_rollouts as ir
+from backend.services import rollouts as ir
 
 PROMPT_A = "What is 2 + 3?"
 PROMPT_B = "Tom has 4 apples and eats 1. How many are left?"

@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from backend import config as C
-from backend import inspect_rollouts, launcher
-from backend.interop import (
+from backend.core import config as C
+from backend.services import rollouts
+from backend.services.interop import (
     OWN_KEYS,
     InteropError,
     from_verl_script,
@@ -26,6 +26,7 @@ from backend.interop import (
     read_verl_dump,
     to_verl_command,
 )
+from backend.services.launcher import list_runs, read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -250,17 +251,17 @@ def test_read_verl_dump_reads_each_step_file_and_skips_a_torn_line(tmp_path):
 def test_an_imported_run_reads_like_our_own_runs(tmp_path, make):
     source = make(tmp_path / "source")
     run_dir = import_external_run(source, tmp_path / "runs", "imported")
-    run = launcher.read_run(run_dir)
+    run = read_run(run_dir)
     assert run["status"]["state"] == "succeeded"
     assert run["status"]["imported_from"] == str(source.resolve())
     assert yaml.safe_load((run_dir / "config.yaml").read_text()) == {}
     assert run["metrics"] and all("step" in m for m in run["metrics"])
     assert any("critic/score/mean" in m for m in run["metrics"])
-    assert inspect_rollouts.rollout_steps(run_dir) == [10]
-    rows = inspect_rollouts.load_step(run_dir, 10)
-    groups = inspect_rollouts.group_rows(rows)
+    assert rollouts.rollout_steps(run_dir) == [10]
+    rows = rollouts.load_step(run_dir, 10)
+    groups = rollouts.group_rows(rows)
     assert len(groups) == 2 and rows[0]["finish_reason"] == "unknown"
-    [summary] = launcher.list_runs(tmp_path / "runs")
+    [summary] = list_runs(tmp_path / "runs")
     assert (summary.name, summary.state, summary.step) == ("imported", "succeeded", 10)
     with pytest.raises(FileExistsError):
         import_external_run(source, tmp_path / "runs", "imported")

@@ -19,9 +19,24 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from backend import launcher
-from backend.config import Config, ConfigError, load_config
-from backend.runs import read_metrics, read_status
+from backend.core.config import Config, ConfigError, load_config
+from backend.core.runs import read_metrics, read_status
+from backend.services.launcher import (
+    ACTIVE,
+    GONE_ERROR,
+    RUN_NICE,
+    RunSummary,
+    delete,
+    fork,
+    launch,
+    list_runs,
+    log_tail,
+    read_run,
+    resume,
+    stage_info,
+    stop,
+)
+from backend.services.run_views import config_diff, smooth
 
 from .conftest import tiny_overrides
 
@@ -32,8 +47,8 @@ def tiny_config(sample_sets, **extra) -> Config:
     return load_config(None, tiny_overrides(sample_sets, **extra))
 
 
-def summary_of(run_dir: Path, **kwargs) -> launcher.RunSummary | None:
-    return next((s for s in launcher.list_runs(run_dir.parent, **kwargs) if s.path == run_dir), None)
+def summary_of(run_dir: Path, **kwargs) -> RunSummary | None:
+    return next((s for s in list_runs(run_dir.parent, **kwargs) if s.path == run_dir), None)
 
 
 def wait_for(check, what: str, run_dir: Path | None = None, timeout_s: float = 180.0):
@@ -43,14 +58,14 @@ def wait_for(check, what: str, run_dir: Path | None = None, timeout_s: float = 1
         if result:
             return result
         time.sleep(0.2)
-    logs = launcher.log_tail(run_dir, 40) if run_dir else ""
+    logs = log_tail(run_dir, 40) if run_dir else ""
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{logs}")
 
 
-def wait_until_finished(run_dir: Path) -> launcher.RunSummary:
+def wait_until_finished(run_dir: Path) -> RunSummary:
     def finished():
         s = summary_of(run_dir)
-        return s if s and s.state not in launcher.ACTIVE else None
+        return s if s and s.state not in ACTIVE else None
     return wait_for(finished, f"{run_dir.name} to finish", run_dir)
 
 
@@ -95,15 +110,15 @@ def runs_root(tmp_path_factory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("runs")
     yield root
     # a failed test must not leave a 200-step run training in the background
-    for run in launcher.list_runs(root):
-        if run.state in launcher.ACTIVE:
-            launcher.stop(run.path, grace_s=5)
+    for run in list_runs(root):
+        if run.state in ACTIVE:
+            stop(run.path, grace_s=5)
 
 
 @pytest.fixture(scope="module")
 def finished_run(runs_root, sample_sets) -> SimpleNamespace:
     t0 = time.monotonic()
-    run_dir = launcher.launch(tiny_config(sample_sets), name="tiny", runs_root=runs_root)
+    run_dir = launch(tiny_config(sample_sets), name="tiny", runs_root=runs_root)
     launch_s = time.monotonic() - t0
     status_at_launch = read_status(run_dir)
     summary = wait_until_finished(run_dir)
@@ -122,7 +137,7 @@ def test_launch_returns_at_once_with_a_queued_run_whose_pid_and_group_are_record
 
 def test_a_launched_tiny_run_succeeds_and_fills_its_run_directory(finished_run):
     run_dir, s = finished_run.path, finished_run.summary
-    assert s.state == "succeeded", launcher.log_tail(run_dir)
+    assert s.state == "succeeded", log_tail(run_dir)
     assert (s.name, s.step, s.total_steps, s.checkpoints) == (run_dir.name, 2, 2, ["step_2"])
     assert run_dir.name.endswith("-tiny")
     assert s.score is not None and math.isfinite(s.score)
@@ -138,12 +153,12 @@ def test_a_launched_tiny_run_succeeds_and_fills_its_run_directory(finished_run):
 
 
 def test_read_run_and_log_tail_give_the_page_what_it_shows(finished_run):
-    run = launcher.read_run(finished_run.path)
+    run = read_run(finished_run.path)
     assert run["status"]["state"] == "succeeded"
     assert run["config"]["actor_rollout_ref"]["model"]["path"] == "tiny-qwen3"
     assert [m["step"] for m in run["metrics"]] == [1, 2]
     assert run["checkpoints"] == ["step_2"]
-    tail = launcher.log_tail(finished_run.path, lines=2).splitlines()
+    tail = log_tail(finished_run.path, lines=2).splitlines()
     assert len(tail) == 2 and tail[-1].startswith("done: ")
 
 
@@ -151,9 +166,9 @@ def test_log_tail_falls_back_to_stdout_and_stderr_when_the_run_never_opened_its_
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs/stdout.log").write_text("hello\n")
     (tmp_path / "logs/stderr.log").write_text("".join(f"line {i}\n" for i in range(500)) + "error: boom\n")
-    assert launcher.log_tail(tmp_path, lines=3).splitlines() == ["line 498", "line 499", "error: boom"]
-    assert "hello" in launcher.log_tail(tmp_path, lines=1000)
-    assert launcher.log_tail(tmp_path / "missing") == ""
+    assert log_tail(tmp_path, lines=3).splitlines() == ["line 498", "line 499", "error: boom"]
+    assert "hello" in log_tail(tmp_path, lines=1000)
+    assert log_tail(tmp_path / "missing") == ""
 
 
 def test_a_config_that_fails_validation_or_preflight_launches_nothing(tmp_path, sample_sets):
@@ -164,7 +179,7 @@ def test_a_config_that_fails_validation_or_preflight_launches_nothing(tmp_path, 
     missing_data.data.train_files = [str(tmp_path / "missing.parquet")]
     for cfg in (not_divisible, missing_data):
         with pytest.raises(ConfigError):
-            launcher.launch(cfg, runs_root=root)
+            launch(cfg, runs_root=root)
     assert not root.exists()
 
 
@@ -172,7 +187,7 @@ def test_a_config_that_fails_validation_or_preflight_launches_nothing(tmp_path, 
 def test_run_names_with_shell_metacharacters_or_path_steps_are_refused(tmp_path, sample_sets, name):
     root = tmp_path / "runs"
     with pytest.raises(ConfigError, match="run name"):
-        launcher.launch(tiny_config(sample_sets), name=name, runs_root=root)
+        launch(tiny_config(sample_sets), name=name, runs_root=root)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -204,25 +219,25 @@ def test_stop_ends_the_whole_process_group_and_leaves_state_stopped(tmp_path, ru
     cfg = tiny_config(sample_sets, **{"trainer.total_training_steps": LONG,
                                       "custom_reward_function.path": str(reward),
                                       "custom_reward_function.name": "compute_score"})
-    run_dir = launcher.launch(cfg, name="to-stop", runs_root=runs_root)
+    run_dir = launch(cfg, name="to-stop", runs_root=runs_root)
     status = wait_until_stepping(run_dir)
     helper = int(reward.with_suffix(".pid").read_text())
     assert not process_gone(helper)
     with pytest.raises(ConfigError, match="still running"):
-        launcher.resume(run_dir)
+        resume(run_dir)
 
-    assert launcher.stop(run_dir, grace_s=30) == "stopped"
+    assert stop(run_dir, grace_s=30) == "stopped"
     assert process_gone(status["pid"]) and process_gone(helper)
     assert group_gone(status["pgid"])
     assert read_status(run_dir)["state"] == "stopped"
     assert summary_of(run_dir).state == "stopped"
-    assert launcher.stop(run_dir) == "stopped"  # stopping a finished run changes nothing
+    assert stop(run_dir) == "stopped"  # stopping a finished run changes nothing
 
 
 def test_a_launched_run_and_its_session_yield_the_cpu_to_the_workbench(runs_root, sample_sets):
     """Once stepping, a launched run's processes (trainer, Ray, workers) and its session's scheduling group
     run at RUN_NICE, so the UI stays responsive while runs train; the workbench itself is not niced."""
-    run_dir = launcher.launch(tiny_config(sample_sets, **{"trainer.total_training_steps": LONG}), name="nice",
+    run_dir = launch(tiny_config(sample_sets, **{"trainer.total_training_steps": LONG}), name="nice",
                               runs_root=runs_root)
     status = wait_until_stepping(run_dir)
     try:
@@ -233,17 +248,17 @@ def test_a_launched_run_and_its_session_yield_the_cpu_to_the_workbench(runs_root
         for pid in group:
             with contextlib.suppress(ProcessLookupError):
                 niceness[pid] = os.getpriority(os.PRIO_PROCESS, pid)
-        assert set(niceness.values()) == {launcher.RUN_NICE}, niceness
+        assert set(niceness.values()) == {RUN_NICE}, niceness
         autogroup = Path(f"/proc/{status['pid']}/autogroup")
         if autogroup.exists():  # Linux with autogroup scheduling
-            assert autogroup.read_text().split()[-1] == str(launcher.RUN_NICE)
-        assert os.getpriority(os.PRIO_PROCESS, 0) < launcher.RUN_NICE
+            assert autogroup.read_text().split()[-1] == str(RUN_NICE)
+        assert os.getpriority(os.PRIO_PROCESS, 0) < RUN_NICE
     finally:
-        launcher.stop(run_dir, grace_s=30)
+        stop(run_dir, grace_s=30)
 
 
 def test_a_run_killed_with_sigkill_is_listed_as_failed_and_its_status_file_says_so(runs_root, sample_sets):
-    run_dir = launcher.launch(tiny_config(sample_sets, **{"trainer.total_training_steps": LONG}),
+    run_dir = launch(tiny_config(sample_sets, **{"trainer.total_training_steps": LONG}),
                               name="to-kill", runs_root=runs_root)
     status = wait_until_stepping(run_dir)
     os.killpg(status["pgid"], signal.SIGKILL)
@@ -252,12 +267,12 @@ def test_a_run_killed_with_sigkill_is_listed_as_failed_and_its_status_file_says_
         s = summary_of(run_dir)
         return s if s.state == "failed" else None
     s = wait_for(listed_failed, "the killed run to be listed as failed", timeout_s=10)
-    assert s.error == launcher.GONE_ERROR and s.stage == "failed"
+    assert s.error == GONE_ERROR and s.stage == "failed"
     # the dashboard noticed the dead pid and recorded it: status.json itself now says failed
     on_disk = json.loads((run_dir / "status.json").read_text())
-    assert on_disk["state"] == "failed" and on_disk["error"] == launcher.GONE_ERROR
+    assert on_disk["state"] == "failed" and on_disk["error"] == GONE_ERROR
     assert on_disk["pid"] == status["pid"] and on_disk["step"] == status["step"]
-    assert launcher.read_run(run_dir)["status"]["state"] == "failed"
+    assert read_run(run_dir)["status"]["state"] == "failed"
 
 
 def test_a_run_of_another_host_is_failed_only_once_its_heartbeat_is_older_than_the_threshold(tmp_path):
@@ -269,18 +284,18 @@ def test_a_run_of_another_host_is_failed_only_once_its_heartbeat_is_older_than_t
     assert summary_of(run_dir, now=beat + 30).state == "running"
     assert summary_of(run_dir, now=beat + 30, stale_after_s=20).state == "failed"
     late = summary_of(run_dir, now=beat + 61)
-    assert (late.state, late.error, late.step) == ("failed", launcher.GONE_ERROR, 7)
+    assert (late.state, late.error, late.step) == ("failed", GONE_ERROR, 7)
 
 
 def test_delete_stops_a_running_run_and_removes_its_folder(runs_root, sample_sets):
-    run_dir = launcher.launch(tiny_config(sample_sets, **{"trainer.total_training_steps": LONG}),
+    run_dir = launch(tiny_config(sample_sets, **{"trainer.total_training_steps": LONG}),
                               name="to-delete", runs_root=runs_root)
     pid = read_status(run_dir)["pid"]
-    launcher.delete(run_dir, runs_root)
+    delete(run_dir, runs_root)
     assert not run_dir.exists()
     assert process_gone(pid)
-    assert run_dir.name not in [s.name for s in launcher.list_runs(runs_root)]
-    launcher.delete(run_dir, runs_root)  # already gone: nothing to do
+    assert run_dir.name not in [s.name for s in list_runs(runs_root)]
+    delete(run_dir, runs_root)  # already gone: nothing to do
 
 
 def test_delete_refuses_folders_outside_the_runs_root(tmp_path):
@@ -291,9 +306,9 @@ def test_delete_refuses_folders_outside_the_runs_root(tmp_path):
     (root / "link").symlink_to(outside)
     for target in (outside, root / ".." / "outside", root / "link", root, tmp_path):
         with pytest.raises(ValueError, match="not inside"):
-            launcher.delete(target, root)
+            delete(target, root)
     assert outside.exists() and root.exists()
-    launcher.delete(root / "inside", root)
+    delete(root / "inside", root)
     assert not (root / "inside").exists()
 
 
@@ -302,11 +317,11 @@ def test_delete_refuses_folders_outside_the_runs_root(tmp_path):
 def test_fork_starts_a_new_run_from_the_chosen_checkpoint(finished_run, sample_sets):
     parent = finished_run.path
     cfg = tiny_config(sample_sets, **{"trainer.total_training_steps": 3})
-    child = launcher.fork(parent, "step_2", cfg, name="forked")
+    child = fork(parent, "step_2", cfg, name="forked")
     assert cfg.trainer.resume_mode == "disable", "fork must not edit the caller's config"
     assert child != parent and child.parent == parent.parent
     s = wait_until_finished(child)
-    assert s.state == "succeeded", launcher.log_tail(child)
+    assert s.state == "succeeded", log_tail(child)
     assert [m["step"] for m in read_metrics(child)] == [3]
     status = read_status(child)
     assert status["forked_from"] == {"run": parent.name, "checkpoint": str(parent / "checkpoints" / "step_2")}
@@ -317,9 +332,9 @@ def test_fork_starts_a_new_run_from_the_chosen_checkpoint(finished_run, sample_s
 
 def test_resume_continues_a_finished_run_in_its_own_folder_to_more_steps(finished_run):
     run_dir = finished_run.path
-    assert launcher.resume(run_dir, overrides=["trainer.total_training_steps=3"]) == run_dir
+    assert resume(run_dir, overrides=["trainer.total_training_steps=3"]) == run_dir
     s = wait_until_finished(run_dir)
-    assert (s.state, s.step, s.total_steps) == ("succeeded", 3, 3), launcher.log_tail(run_dir)
+    assert (s.state, s.step, s.total_steps) == ("succeeded", 3, 3), log_tail(run_dir)
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
     trainer = yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]
     assert (trainer["resume_mode"], trainer["total_training_steps"]) == ("auto", 3)
@@ -341,13 +356,13 @@ def test_list_runs_survives_torn_metrics_a_missing_status_and_stray_folders(tmp_
     (root / "notes").mkdir()
     (root / ".hidden").mkdir()
     (root / "file.txt").write_text("x")
-    runs = launcher.list_runs(root)
+    runs = list_runs(root)
     assert [r.name for r in runs] == [no_status.name, torn.name]
     assert (runs[1].state, runs[1].step, runs[1].score, runs[1].duration_s) == ("stopped", 2, 0.5, 30.0)
     assert (runs[0].state, runs[0].step, runs[0].score, runs[0].checkpoints) == ("unknown", 0, None, [])
-    assert [m["step"] for m in launcher.read_run(torn)["metrics"]] == [1, 2]
-    assert launcher.list_runs(tmp_path / "no-such-root") == []
-    gone = launcher.read_run(root / "deleted")
+    assert [m["step"] for m in read_run(torn)["metrics"]] == [1, 2]
+    assert list_runs(tmp_path / "no-such-root") == []
+    gone = read_run(root / "deleted")
     assert (gone["status"], gone["config"], gone["metrics"], gone["checkpoints"]) == ({}, None, [], [])
 
 
@@ -371,7 +386,7 @@ def test_list_runs_survives_run_folders_deleted_while_it_lists(tmp_path):
     try:
         deadline = time.monotonic() + 1.5
         while time.monotonic() < deadline:
-            for s in launcher.list_runs(root):
+            for s in list_runs(root):
                 assert s.state in ("succeeded", "unknown")
     finally:
         done.set()
@@ -382,35 +397,35 @@ def test_list_runs_survives_run_folders_deleted_while_it_lists(tmp_path):
 
 def test_smooth_is_tensorboards_debiased_moving_average_and_skips_gaps():
     # weight 0.5: v=1 -> last 0.5, debias 1-0.5 -> 1.0; None passes; v=3 -> last 0.25+1.5=1.75, /(1-0.25) -> 7/3
-    assert launcher.smooth([1.0, None, 3.0], 0.5) == pytest.approx([1.0, None, 7 / 3])
+    assert smooth([1.0, None, 3.0], 0.5) == pytest.approx([1.0, None, 7 / 3])
     # weight 0.9, constant input stays constant thanks to the debiasing
-    assert launcher.smooth([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])
-    assert launcher.smooth([1.0, 5.0], 0.0) == [1.0, 5.0]
-    nan = launcher.smooth([1.0, math.nan, 3.0], 0.5)
+    assert smooth([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])
+    assert smooth([1.0, 5.0], 0.0) == [1.0, 5.0]
+    nan = smooth([1.0, math.nan, 3.0], 0.5)
     assert math.isnan(nan[1]) and nan[2] == pytest.approx(7 / 3)
     with pytest.raises(ValueError):
-        launcher.smooth([1.0], 1.0)
+        smooth([1.0], 1.0)
 
 
 def test_config_diff_lists_only_the_dotted_keys_whose_values_differ():
     a = {"data": {"train_batch_size": 8, "files": ["x.parquet"]}, "trainer": {"seed": 0}}
     b = {"data": {"train_batch_size": 16, "files": ["x.parquet"]}, "trainer": {"seed": 0, "nnodes": 2}}
-    assert launcher.config_diff({"a": a, "b": b, "c": None}) == {
+    assert config_diff({"a": a, "b": b, "c": None}) == {
         "data.files": {"a": ["x.parquet"], "b": ["x.parquet"], "c": None},
         "data.train_batch_size": {"a": 8, "b": 16, "c": None},
         "trainer.nnodes": {"a": None, "b": 2, "c": None},
         "trainer.seed": {"a": 0, "b": 0, "c": None},
     }
-    assert launcher.config_diff({"a": a, "b": b})["data.train_batch_size"] == {"a": 8, "b": 16}
-    assert "data.files" not in launcher.config_diff({"a": a, "b": b})
-    assert launcher.config_diff({"a": a}) == {}
+    assert config_diff({"a": a, "b": b})["data.train_batch_size"] == {"a": 8, "b": 16}
+    assert "data.files" not in config_diff({"a": a, "b": b})
+    assert config_diff({"a": a}) == {}
 
 
 def test_stage_info_reports_the_stage_its_age_and_a_stall_after_the_threshold():
     status = {"state": "running", "stage": "generating token 3/8 of 8 responses", "stage_started": 1000.0,
               "heartbeat": 1010.0}
-    assert launcher.stage_info(status, now=1030.0, stall_after_s=60) == (status["stage"], 30.0, False)
-    assert launcher.stage_info(status, now=1071.0, stall_after_s=60) == (status["stage"], 71.0, True)
+    assert stage_info(status, now=1030.0, stall_after_s=60) == (status["stage"], 30.0, False)
+    assert stage_info(status, now=1071.0, stall_after_s=60) == (status["stage"], 71.0, True)
     done = {**status, "state": "succeeded", "stage": "done"}
-    assert launcher.stage_info(done, now=5000.0, stall_after_s=60)[2] is False
-    assert launcher.stage_info({}, now=1.0, stall_after_s=60) == ("unknown", 0.0, False)
+    assert stage_info(done, now=5000.0, stall_after_s=60)[2] is False
+    assert stage_info({}, now=1.0, stall_after_s=60) == ("unknown", 0.0, False)

@@ -6,15 +6,15 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-from backend import checkpoint, lora
-from backend.config import load_config, to_dict
-from backend.decode import StaticCacheEngine
-from backend.distributed import local_meeting_point
-from backend.models import load_model, load_tokenizer
-from backend.rollout import HFGenerateEngine, SamplingParams
-from backend.runs import latest_checkpoint
-from backend.trainer import Trainer
-from backend.workers import ActorRolloutRefWorker
+from backend.core import checkpoint, lora
+from backend.core.config import load_config, to_dict
+from backend.core.models import load_model, load_tokenizer
+from backend.core.runs import latest_checkpoint
+from backend.engine.distributed import local_meeting_point
+from backend.engine.trainer import Trainer
+from backend.engine.workers import ActorRolloutRefWorker
+from backend.rollout.base import HFGenerateEngine, SamplingParams
+from backend.rollout.static_cache import StaticCacheEngine
 
 from .conftest import tiny_overrides
 from .test_workers import padded_batch

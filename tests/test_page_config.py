@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from backend import config as C
-from backend import planner, presets
+from backend.core import config as C
+from backend.services import planner, presets
 
 from .conftest import REPO
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from backend import inspect_rollouts as ir
-from backend.config import load_config
-from backend.trainer import Trainer
+from backend.core.config import load_config
+from backend.engine.trainer import Trainer
+from backend.services import rollouts as ir
 
 from .conftest import REPO, tiny_overrides
 from .test_inspect_rollouts import PROMPT_A, response, step_one, token_record, write_step, write_tokens

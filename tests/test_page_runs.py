@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from backend.config import load_config, to_yaml
-from backend.trainer import Trainer
+from backend.core.config import load_config, to_yaml
+from backend.engine.trainer import Trainer
 
 from .conftest import REPO, tiny_overrides
 

@@ -1,4 +1,4 @@
-"""The memory and time plan (backend.planner): each formula against numbers worked out here for tiny-qwen3,
+"""The memory and time plan (backend.services.planner): each formula against numbers worked out here for tiny-qwen3,
 the directions the suggestions rely on, and `python -m backend plan` as a user runs it."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import sys
 
 import pytest
 
-from backend import planner
-from backend.config import ConfigError, load_config
+from backend.core.config import ConfigError, load_config
+from backend.services import planner
 
 from .conftest import REPO
 
 GiB = 2**30
 DEFAULT = REPO / "configs/default.yaml"
 
-# tiny-qwen3 (backend.models._build_tiny): 2 layers, hidden 64, vocab 512, 2 KV heads of 16, tied embeddings
+# tiny-qwen3 (backend.core.models._build_tiny): 2 layers, hidden 64, vocab 512, 2 KV heads of 16, tied embeddings
 P, P_LAYER, P_ROOT = 106_880, 37_024, 32_832
 L, H, V, HKV, D = 2, 64, 512, 2, 16
 

@@ -11,9 +11,10 @@ import sys
 import pytest
 import yaml
 
-from backend import config as C
-from backend import presets, workspace
-from backend.config import Config, ConfigError, load_config
+from backend.core import config as C
+from backend.core import workspace
+from backend.core.config import Config, ConfigError, load_config
+from backend.services import presets
 
 from .conftest import REPO
 

@@ -1,4 +1,4 @@
-"""backend.preview: what the data page shows about a parquet file, and the SQL it refuses."""
+"""backend.services.preview: what the data page shows about a parquet file, and the SQL it refuses."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from backend import data, preview, rewards
-from backend.preview import PreviewError
+from backend.core import data
+from backend.rewards import registry
+from backend.rewards.registry import _REGISTRY, register_reward
+from backend.services import preview
+from backend.services.preview import PreviewError
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "sample_data" / "arithmetic_train.parquet"
@@ -246,9 +249,9 @@ def test_reference_answers_get_full_marks_from_the_built_in_scorers(pv):
 
 
 def test_reference_answers_flag_a_scorer_that_gives_zero_to_correct_answers(tmp_path, monkeypatch):
-    monkeypatch.setattr(rewards, "_REGISTRY", dict(rewards._REGISTRY))  # the registration ends with the test
+    monkeypatch.setattr(registry, "_REGISTRY", dict(_REGISTRY))  # the registration ends with the test
 
-    @rewards.register_reward("test/broken-scorer")
+    @register_reward("test/broken-scorer")
     def broken(data_source, solution_str, ground_truth, extra_info=None):
         return 0.0
 

@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backend import data
-from backend.config import ConfigError, field_specs, load_config
+from backend.core import data
+from backend.core.config import ConfigError, field_specs, load_config
 
 KEYS = sorted(field_specs())
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
@@ -33,7 +33,7 @@ def test_random_overrides_are_accepted_or_rejected_with_a_config_error(pairs):
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(st.recursive(scalars, lambda inner: st.dictionaries(st.text(max_size=12), inner, max_size=4), max_leaves=12))
 def test_random_yaml_documents_are_accepted_or_rejected_with_a_config_error(document):
-    from backend.config import config_from_yaml_text, dump_yaml
+    from backend.core.config import config_from_yaml_text, dump_yaml
 
     text = dump_yaml(document) if isinstance(document, dict) else str(document)
     cfg, problems = config_from_yaml_text(text)

@@ -9,8 +9,9 @@ import struct
 import pyarrow.parquet as pq
 import pytest
 
-from backend import data, plotting, recipes
-from backend.config import load_config
+from backend.core import data
+from backend.core.config import load_config
+from backend.services import plotting, recipes
 
 from .conftest import SHARED, tiny_overrides
 from .test_cli import cli

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from backend.config import load_config
+from backend.core.config import load_config
 
 from .conftest import tiny_overrides
 

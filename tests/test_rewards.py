@@ -8,29 +8,32 @@ import time
 
 import pytest
 
-from backend import rewards
-from backend.rewards import (
+from backend.rewards import registry, scoring
+from backend.rewards.registry import (
+    _REGISTRY,
     RewardError,
+    get_scorer,
+    known_data_sources,
+    load_custom_reward,
+    register_reward,
+)
+from backend.rewards.rules import (
     arithmetic_score,
     extract_boxed,
     extract_hash_answer,
     extract_last_number,
-    get_scorer,
     gsm8k_default_score,
     gsm8k_score,
-    known_data_sources,
-    load_custom_reward,
     math_score,
     normalize_number,
-    register_reward,
-    score_batch,
 )
+from backend.rewards.scoring import ScoredBatch, concat_scored, from_scores, score_batch, weighted_sum
 
 
 @pytest.fixture
 def scratch_registry(monkeypatch):
     """Registrations made by a test vanish after it."""
-    monkeypatch.setattr(rewards, "_REGISTRY", dict(rewards._REGISTRY))
+    monkeypatch.setattr(registry, "_REGISTRY", dict(_REGISTRY))
 
 
 # ---- normalize_number ----
@@ -465,7 +468,7 @@ def test_several_hanging_rows_cost_one_timeout_together_not_one_each():
 
 
 def test_once_every_worker_has_hung_the_rows_not_started_are_skipped_as_timeouts(monkeypatch):
-    monkeypatch.setattr(rewards, "_MAX_WORKERS", 2)
+    monkeypatch.setattr(scoring, "_MAX_WORKERS", 2)
     release = threading.Event()
     calls = []
 
@@ -491,7 +494,7 @@ def test_once_every_worker_has_hung_the_rows_not_started_are_skipped_as_timeouts
 def test_a_hung_worker_is_replaced_so_rows_behind_it_still_run_in_parallel(monkeypatch):
     # Two workers: one hangs on row 0; row 2 waits for row 3, which only a replacement worker can reach
     # before row 2's own timeout.
-    monkeypatch.setattr(rewards, "_MAX_WORKERS", 2)
+    monkeypatch.setattr(scoring, "_MAX_WORKERS", 2)
     release, row3_ran = threading.Event(), threading.Event()
 
     def scorer(data_source, solution_str, ground_truth, extra_info=None):
@@ -552,12 +555,12 @@ def test_an_empty_batch_scores_nothing_and_reports_zero_counters():
 
 
 def test_chosen_rows_of_scored_batches_keep_every_failure_count_and_average_their_own_parts():
-    a = rewards.ScoredBatch(scores=[1.0, 0.0], parts=[{"format": 1.0}, {"format": 0.0}], preds=["1", None],
+    a = ScoredBatch(scores=[1.0, 0.0], parts=[{"format": 1.0}, {"format": 0.0}], preds=["1", None],
                             metrics={"reward/errors": 1.0, "reward/timeouts": 0.0, "reward/invalid": 0.0},
                             first_error="row 1 raised")
-    b = rewards.ScoredBatch(scores=[0.5], parts=[{"format": 0.5}], preds=["2"],
+    b = ScoredBatch(scores=[0.5], parts=[{"format": 0.5}], preds=["2"],
                             metrics={"reward/errors": 0.0, "reward/timeouts": 2.0, "reward/invalid": 0.0})
-    out = rewards.concat_scored([(a, [0]), (b, [0])])
+    out = concat_scored([(a, [0]), (b, [0])])
     assert out.scores == [1.0, 0.5] and out.preds == ["1", "2"]
     assert out.metrics == {"reward/errors": 1.0, "reward/timeouts": 2.0, "reward/invalid": 0.0,
                            "reward/format/mean": 0.75}
@@ -565,10 +568,10 @@ def test_chosen_rows_of_scored_batches_keep_every_failure_count_and_average_thei
 
 
 def test_a_weighted_sum_adds_each_scorer_times_its_weight_and_names_each_part():
-    rule = rewards.ScoredBatch(scores=[1.0, 0.0], parts=[{"acc": 1.0}, {"acc": 0.0}], preds=["3", None],
+    rule = ScoredBatch(scores=[1.0, 0.0], parts=[{"acc": 1.0}, {"acc": 0.0}], preds=["3", None],
                                metrics={"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/invalid": 1.0})
-    brevity = rewards.from_scores([0.5, -1.0])
-    out = rewards.weighted_sum([("rule", 2.0, rule), ("brevity", 0.25, brevity)])
+    brevity = from_scores([0.5, -1.0])
+    out = weighted_sum([("rule", 2.0, rule), ("brevity", 0.25, brevity)])
     assert out.scores == [2.0 + 0.125, 0.0 - 0.25]
     assert out.parts == [{"acc": 1.0, "brevity": 0.5}, {"acc": 0.0, "brevity": -1.0}]
     assert out.preds == ["3", None]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from backend import rollout
-from backend.models import load_model
-from backend.rollout import (
+from backend.core.models import load_model
+from backend.rollout import base
+from backend.rollout.base import (
     CounterSampler,
     HFGenerateEngine,
     SamplingParams,
@@ -82,18 +82,18 @@ def test_the_two_level_inversion_picks_the_token_a_whole_cumulative_sum_picks():
     """invert_cdf (block sums, then one block) against a float64 cumulative sum over the whole vocabulary,
     on a vocabulary of two whole blocks and a tail, a third of the tokens at probability 0."""
     gen = torch.Generator().manual_seed(0)
-    rows, vocab = 4000, 2 * rollout.CDF_BLOCK + 300
+    rows, vocab = 4000, 2 * base.CDF_BLOCK + 300
     probs = torch.rand(rows, vocab, generator=gen) ** 4
     probs[torch.rand(rows, vocab, generator=gen) < 0.33] = 0.0
-    probs[:50, : rollout.CDF_BLOCK] = 0.0  # whole blocks without mass
-    probs[50:100, rollout.CDF_BLOCK:] = 0.0  # all mass in the first block
+    probs[:50, : base.CDF_BLOCK] = 0.0  # whole blocks without mass
+    probs[50:100, base.CDF_BLOCK:] = 0.0  # all mass in the first block
     u = torch.rand(rows, generator=gen)
     cdf = probs.double().cumsum(-1)
     expected = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    picked = rollout.invert_cdf(probs, u)
+    picked = base.invert_cdf(probs, u)
     assert torch.equal(picked, expected)
     assert bool((probs.gather(-1, picked.unsqueeze(-1)) > 0).all())
-    ends = rollout.invert_cdf(probs, torch.full((rows,), 1.0 - 2**-24))  # the very end of each row
+    ends = base.invert_cdf(probs, torch.full((rows,), 1.0 - 2**-24))  # the very end of each row
     assert bool((probs.gather(-1, ends.unsqueeze(-1)) > 0).all())
 
 

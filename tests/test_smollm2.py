@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from backend.config import load_config
-from backend.models import resolve_model
-from backend.runs import read_metrics, read_status
-from backend.trainer import Trainer
+from backend.core.config import load_config
+from backend.core.models import resolve_model
+from backend.core.runs import read_metrics, read_status
+from backend.engine.trainer import Trainer
 
 from .conftest import REPO
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from backend import trackers
-from backend.config import ConfigError, load_config
-from backend.runs import read_metrics
-from backend.trainer import Trainer
+from backend.core import trackers
+from backend.core.config import ConfigError, load_config
+from backend.core.runs import read_metrics
+from backend.engine.trainer import Trainer
 
 from .conftest import tiny_overrides
 

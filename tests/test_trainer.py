@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backend.config import ConfigError, load_config
-from backend.runs import RunDir, list_checkpoints, read_metrics, read_status
-from backend.trainer import TableWriter, Trainer
-from backend.worker_group import WorkerGroup
+from backend.core.config import ConfigError, load_config
+from backend.core.runs import RunDir, list_checkpoints, read_metrics, read_status
+from backend.engine.trainer import TableWriter, Trainer
+from backend.engine.worker_group import WorkerGroup
 
 from .conftest import tiny_overrides
 
@@ -79,7 +79,7 @@ def test_rollouts_hold_one_row_per_response_with_reward_parts(finished_run):
 
 
 def test_training_changes_every_weight_of_the_exported_model(finished_run):
-    from backend.models import resolve_model
+    from backend.core.models import resolve_model
 
     base = load_file(Path(resolve_model("tiny-qwen3")) / "model.safetensors")
     trained = weights(finished_run / "export")

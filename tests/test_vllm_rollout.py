@@ -14,13 +14,16 @@ import math
 import pytest
 import torch
 
-from backend import algos, distributed, lora
-from backend.config import ConfigError, load_config
-from backend.models import load_model
-from backend.rollout import RolloutBatch, SamplingParams, concat_rows
-from backend.vllm_rollout import INSTALL, hf_weights, log_prob_rows, row_seed, sampling_kwargs, vllm_requests
-from backend.worker_group import _merge
-from backend.workers import ActorRolloutRefWorker
+from backend.algos.losses import get_policy_loss_fn, rollout_is_weights
+from backend.core import lora
+from backend.core.config import ConfigError, load_config
+from backend.core.models import load_model
+from backend.core.vllm_support import INSTALL
+from backend.engine import distributed
+from backend.engine.worker_group import _merge
+from backend.engine.workers import ActorRolloutRefWorker
+from backend.rollout.base import RolloutBatch, SamplingParams, concat_rows
+from backend.rollout.vllm_engine import hf_weights, log_prob_rows, row_seed, sampling_kwargs, vllm_requests
 
 from .conftest import tiny_overrides
 from .test_workers import one_rank_worker, padded_batch
@@ -167,7 +170,7 @@ def test_rollout_is_weights_are_the_capped_detached_ratio_and_padding_counts_now
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     old = torch.tensor([[-1.0, -2.0, -0.5, float("nan")], [-3.0, -0.2, 0.0, 0.0]], requires_grad=True)
     rollout = (old.detach() - r.log()).masked_fill(mask == 0, float("-inf"))  # garbage at padding
-    weights, metrics = algos.rollout_is_weights(old, rollout, mask, threshold=2.0)
+    weights, metrics = rollout_is_weights(old, rollout, mask, threshold=2.0)
     torch.testing.assert_close(weights, torch.tensor([[0.5, 1.0, 2.0, 0.0], [1.5, 0.25, 0.0, 0.0]]))
     assert not weights.requires_grad
     # 5 valid tokens: |log r| = ln 2, 0, ln 5, ln 1.5, ln 4; capped weights 0.5, 1, 2, 1.5, 0.25
@@ -185,7 +188,7 @@ def test_the_policy_losses_multiply_each_tokens_loss_by_the_rollout_is_weight(lo
     adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     w = torch.tensor([[0.5, 2.0, 7.0], [1.0, 0.25, 1.5]])
-    loss, _ = algos.get_policy_loss_fn(loss_mode)(logp.detach(), logp, adv, mask, loss_agg_mode="token-mean",
+    loss, _ = get_policy_loss_fn(loss_mode)(logp.detach(), logp, adv, mask, loss_agg_mode="token-mean",
                                                   rollout_is_weights=w)
     # token-mean over the 5 valid tokens of -A w: (-0.5 - 2 + 2 + 0.5 + 3) / 5
     assert loss.item() == pytest.approx(3.0 / 5)
@@ -305,7 +308,7 @@ def _gpu_overrides(sample_sets, **extra) -> list[str]:
 def test_vllm_in_the_workers_samples_reproducibly_with_the_actors_weights_after_every_update(sample_sets,
                                                                                           tiny_tokenizer):
     _needs_vllm_and_cuda()
-    from backend.worker_group import WorkerGroup
+    from backend.engine.worker_group import WorkerGroup
 
     cfg = load_config(None, _gpu_overrides(sample_sets, **{"actor_rollout_ref.actor.optim.lr": 1e-2}))
     group = WorkerGroup(cfg, total_steps=2, pad_id=tiny_tokenizer.pad_token_id)
@@ -341,8 +344,8 @@ def test_vllm_in_the_workers_samples_reproducibly_with_the_actors_weights_after_
 
 def test_a_grpo_run_with_vllm_trains_and_logs_the_rollout_mismatch_every_step(tmp_path, sample_sets):
     _needs_vllm_and_cuda()
-    from backend.runs import read_metrics, read_status
-    from backend.trainer import Trainer
+    from backend.core.runs import read_metrics, read_status
+    from backend.engine.trainer import Trainer
 
     cfg = load_config(None, _gpu_overrides(sample_sets, **{"trainer.total_training_steps": 3}))
     with Trainer(cfg, tmp_path / "run", show_progress=False) as trainer:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend import algos, vocab_stats
+from backend.engine.log_probs import _vocab_forward
+from backend.kernels import vocab_stats
 
 pytest.importorskip("triton", reason="the kernel is written in Triton (installed with the dev extra)")
 if torch.cuda.is_available():
@@ -24,7 +25,7 @@ def test_the_kernel_matches_the_pytorch_pass(dtype, with_entropy):
     logits = (torch.randn(3, 5, 1000) * 4 + 30).to(dtype)
     targets = torch.randint(0, 1000, (3, 5))
     got = vocab_stats.vocab_stats(logits, targets, 0.7, with_entropy, block=128)
-    want = algos._vocab_forward(logits, targets, 0.7, with_entropy)
+    want = _vocab_forward(logits, targets, 0.7, with_entropy)
     for g, w in zip(got, want, strict=True):
         if w is None:
             assert g is None
@@ -41,7 +42,7 @@ def test_a_peaked_distribution_far_from_zero_keeps_its_tiny_entropy():
     logits += 1000.0
     targets = torch.tensor([7, 7, 0, 1])
     log_prob, entropy, lse = vocab_stats.vocab_stats(logits, targets, 1.0, True, block=256)
-    want_lp, want_entropy, want_lse = algos._vocab_forward(logits, targets, 1.0, True)
+    want_lp, want_entropy, want_lse = _vocab_forward(logits, targets, 1.0, True)
     assert (entropy > 0).all() and (entropy < 1e-18).all()
     torch.testing.assert_close(entropy, want_entropy, rtol=1e-4, atol=0)
     torch.testing.assert_close(log_prob, want_lp)
@@ -54,7 +55,7 @@ def test_rows_that_are_not_contiguous_are_read_correctly():
     logits = wide[:, 0]  # every other row of the underlying storage
     targets = torch.randint(0, 300, (6,))
     got = vocab_stats.vocab_stats(logits, targets, 1.3, True, block=64)
-    want = algos._vocab_forward(logits, targets, 1.3, True)
+    want = _vocab_forward(logits, targets, 1.3, True)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 

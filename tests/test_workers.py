@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from backend import algos, distributed, workers
-from backend.config import load_config, to_dict
-from backend.distributed import local_meeting_point
-from backend.models import load_model
-from backend.rollout import left_pad
-from backend.workers import ActorRolloutRefWorker, response_log_probs
+from backend.algos.losses import entropy_from_logits
+from backend.core.config import load_config, to_dict
+from backend.core.models import load_model
+from backend.engine import distributed, log_probs
+from backend.engine.distributed import local_meeting_point
+from backend.engine.log_probs import (
+    _over_positions,
+    _plain_head,
+    _vocab_backward,
+    _vocab_forward,
+    head_token_log_probs,
+    response_log_probs,
+    token_log_probs,
+)
+from backend.engine.workers import ActorRolloutRefWorker
+from backend.rollout.base import left_pad
 
 from .conftest import tiny_overrides
 
@@ -147,11 +157,11 @@ def test_the_sharded_actor_computes_the_log_probs_of_the_plain_model(sample_sets
 
 
 def test_chunked_log_probs_and_their_gradients_equal_a_whole_log_softmax(monkeypatch):
-    monkeypatch.setattr(algos, "LOG_PROB_CHUNK_TOKENS", 10)  # 2 rows of 5 positions a chunk
+    monkeypatch.setattr(log_probs, "LOG_PROB_CHUNK_TOKENS", 10)  # 2 rows of 5 positions a chunk
     logits = torch.randn(5, 5, 11, requires_grad=True)
     targets = torch.randint(0, 11, (5, 5))
     weights = torch.randn(5, 5)
-    lp, ent = algos.token_log_probs(logits, targets, temperature=0.7, with_entropy=True)
+    lp, ent = token_log_probs(logits, targets, temperature=0.7, with_entropy=True)
     (lp * weights).sum().backward()
     chunked_grad = logits.grad.clone()
     logits.grad = None
@@ -164,34 +174,34 @@ def test_chunked_log_probs_and_their_gradients_equal_a_whole_log_softmax(monkeyp
 
 
 def test_the_entropy_bonus_gradient_equals_that_of_a_whole_softmax(monkeypatch):
-    monkeypatch.setattr(algos, "LOG_PROB_CHUNK_TOKENS", 6)  # chunks of 2 rows, the last one shorter
+    monkeypatch.setattr(log_probs, "LOG_PROB_CHUNK_TOKENS", 6)  # chunks of 2 rows, the last one shorter
     logits = torch.randn(5, 3, 7, requires_grad=True)
     targets = torch.randint(0, 7, (5, 3))
     w_lp, w_ent = torch.randn(5, 3), torch.randn(5, 3)
-    lp, ent = algos.token_log_probs(logits, targets, temperature=1.3, with_entropy=True, entropy_grad=True)
+    lp, ent = token_log_probs(logits, targets, temperature=1.3, with_entropy=True, entropy_grad=True)
     ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
     fused_grad = logits.grad.clone()
     logits.grad = None
     whole = torch.log_softmax(logits / 1.3, -1)
     expected_lp = whole.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    expected_ent = algos.entropy_from_logits(logits / 1.3)
+    expected_ent = entropy_from_logits(logits / 1.3)
     ((expected_lp * w_lp).sum() + (expected_ent * w_ent).sum()).backward()
     torch.testing.assert_close(ent, expected_ent)
     torch.testing.assert_close(fused_grad, logits.grad)
 
 
 def test_the_head_fused_into_the_vocabulary_pass_gives_the_log_probs_and_gradients_of_whole_logits(monkeypatch):
-    monkeypatch.setattr(algos, "LOG_PROB_CHUNK_TOKENS", 6)  # chunks of 2 rows, the last one shorter
+    monkeypatch.setattr(log_probs, "LOG_PROB_CHUNK_TOKENS", 6)  # chunks of 2 rows, the last one shorter
     hidden = torch.randn(5, 3, 4, requires_grad=True)
     weight = torch.randn(7, 4, requires_grad=True)
     targets = torch.randint(0, 7, (5, 3))
     w_lp, w_ent = torch.randn(5, 3), torch.randn(5, 3)
-    lp, ent = algos.head_token_log_probs(hidden, weight, targets, temperature=0.8, with_entropy=True,
+    lp, ent = head_token_log_probs(hidden, weight, targets, temperature=0.8, with_entropy=True,
                                          entropy_grad=True)
     ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
     fused = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
-    expected_lp, expected_ent = algos.token_log_probs(hidden @ weight.T, targets, temperature=0.8, with_entropy=True,
+    expected_lp, expected_ent = token_log_probs(hidden @ weight.T, targets, temperature=0.8, with_entropy=True,
                                                       entropy_grad=True)
     ((expected_lp * w_lp).sum() + (expected_ent * w_ent).sum()).backward()
     torch.testing.assert_close(lp, expected_lp)
@@ -211,16 +221,16 @@ def test_the_compiled_vocabulary_pass_is_one_graph_for_chunks_of_any_size_with_t
                        if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)])
         return gm.forward
 
-    forward = algos._over_positions(torch.compile(algos._vocab_forward, backend=recording))
-    backward = algos._over_positions(torch.compile(algos._vocab_backward, backend=recording))
+    forward = _over_positions(torch.compile(_vocab_forward, backend=recording))
+    backward = _over_positions(torch.compile(_vocab_backward, backend=recording))
     for rows, r in ((3, 5), (2, 7), (4, 1)):
         logits, targets = torch.randn(rows, r, 11), torch.randint(0, 11, (rows, r))
         got = forward(logits, targets, 0.7, True)
-        for a, b in zip(got, algos._vocab_forward(logits, targets, 0.7, True), strict=True):
+        for a, b in zip(got, _vocab_forward(logits, targets, 0.7, True), strict=True):
             torch.testing.assert_close(a, b)
         grads = torch.randn(rows, r), torch.randn(rows, r)
         torch.testing.assert_close(backward(logits, targets, 0.7, got[2], got[1], *grads),
-                                   algos._vocab_backward(logits, targets, 0.7, got[2], got[1], *grads))
+                                   _vocab_backward(logits, targets, 0.7, got[2], got[1], *grads))
     assert len(graphs) == 2  # one forward and one backward for all three sizes
     for shapes in graphs:
         assert all(isinstance(shape[0], torch.SymInt) for shape in shapes)
@@ -232,7 +242,7 @@ def test_a_model_whose_head_runs_in_the_vocabulary_pass_gets_the_gradients_of_it
     """response_log_probs never builds the (b, R, V) logits; every parameter, the tied head and
     embedding included, gets the gradient it gets through the model's own logits."""
     model = load_model("tiny-qwen3", torch.device("cpu"))
-    assert workers._plain_head(model) is model.get_output_embeddings()
+    assert _plain_head(model) is model.get_output_embeddings()
     _, batch = padded_batch(tiny_tokenizer)
     weights = torch.randn(2, 4)
     lp, _ = response_log_probs(model, batch["input_ids"], batch["attention_mask"], 4, temperature=0.9)
@@ -241,7 +251,7 @@ def test_a_model_whose_head_runs_in_the_vocabulary_pass_gets_the_gradients_of_it
     model.zero_grad()
     logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=(batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)).logits[:, -5:-1]
-    expected, _ = algos.token_log_probs(logits, batch["responses"], temperature=0.9)
+    expected, _ = token_log_probs(logits, batch["responses"], temperature=0.9)
     (expected * weights).sum().backward()
     torch.testing.assert_close(lp, expected, atol=1e-5, rtol=1e-5)
     for k, p in model.named_parameters():
@@ -251,7 +261,7 @@ def test_a_model_whose_head_runs_in_the_vocabulary_pass_gets_the_gradients_of_it
 
 def test_without_an_entropy_bonus_the_entropy_carries_no_gradient_and_bf16_logits_get_a_bf16_gradient():
     logits = torch.randn(2, 4, 9, dtype=torch.bfloat16, requires_grad=True)
-    lp, ent = algos.token_log_probs(logits, torch.randint(0, 9, (2, 4)), with_entropy=True)
+    lp, ent = token_log_probs(logits, torch.randint(0, 9, (2, 4)), with_entropy=True)
     assert lp.dtype == torch.float32 and not ent.requires_grad
     lp.sum().backward()
     assert logits.grad.dtype == torch.bfloat16

@@ -1,0 +1,828 @@
+"""The single-controller training loop: one Python loop drives rollout, reward, log-probs,
+advantages and the update, and writes everything into the run directory.
+
+    prompts ─ rollout ─► n responses each ─ reward ─► scores ─ actor/ref ─► log-probs
+            ─ algos ─► advantages ─ actor ─► PPO-clip update ─► metrics, rollouts, checkpoint
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import gc
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from backend.algos.advantages import compute_advantage, groups_with_signal, overlong_penalty
+from backend.algos.losses import AdaptiveKLController, FixedKLController, apply_kl_penalty, explained_variance
+from backend.core import checkpoint, data, trackers
+from backend.core.config import Config, ConfigError, batch_plan, to_yaml, uses_critic, validate_config
+from backend.core.models import load_tokenizer
+from backend.core.runs import NICE_ENV, RunDir, latest_checkpoint, new_run_dir, read_status
+from backend.engine.checks import check_or_raise, resume_problems
+from backend.engine.evaluation import evaluate
+from backend.engine.inference import Generator
+from backend.engine.rank import freeze_heap
+from backend.engine.worker_group import WorkerError, WorkerGroup
+from backend.rewards.registry import load_custom_reward
+from backend.rewards.scoring import ScoredBatch, concat_scored, from_scores, score_batch, weighted_sum
+from backend.rollout.base import RolloutBatch, SamplingParams, concat_rows
+
+T = TypeVar("T")
+
+
+class RunStopped(Exception):
+    """The run was asked to stop (SIGTERM / SIGINT); it ends in state `stopped`."""
+
+
+class NonFiniteError(RuntimeError):
+    """An update met a non-finite loss or gradient and actor_rollout_ref.actor.nan_policy=stop."""
+
+
+@contextmanager
+def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    timings[f"timing_s/{name}"] = timings.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
+            f"{prefix}/min": values.min().item()}
+
+
+class Trainer:
+    """One run: its workers, data and run directory. `train()` runs it; `evaluate`, `generate` and
+    `export` work before, during (between steps) or after training, on the current weights. The
+    workers (Ray actors) live until `close()`, the end of a `with` block, or the Trainer is dropped."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path | None = None, *, show_progress: bool = True):
+        validate_config(cfg)
+        check_or_raise(cfg)
+        run_dir = Path(run_dir) if run_dir else new_run_dir(cfg.trainer.runs_root, cfg.trainer.experiment_name)
+        status = read_status(run_dir)
+        # A run directory the launcher prepared (state "queued") is this run's own; any other is taken.
+        if status and status.get("state") != "queued" and cfg.trainer.resume_mode == "disable":
+            raise ConfigError([f"run directory {run_dir} already holds a run (state {status.get('state')}): "
+                               "continue it with trainer.resume_mode=auto, or choose another run directory"])
+        if status and status.get("state") == "running" and _alive(status.get("pid")):
+            raise ConfigError([f"run directory {run_dir} is in use by a running process (pid {status['pid']})"])
+        self.cfg = cfg
+        self.clip_low, self.clip_high = cfg.actor_rollout_ref.actor.clip_range()
+        self.run = RunDir(run_dir)
+        self.show_progress = show_progress
+        self._last_stage_write = 0.0
+        self._step = 0
+        self._ready = False
+        self.tables = TableWriter()
+        self.tracking = trackers.Tracking({})  # opened by train(): evaluate or generate alone start no tracker run
+
+    # ---- status ----
+
+    def stage(self, text: str, force: bool = False) -> None:
+        """What the run is doing now, for the dashboard's live stage line (at most one write a second)."""
+        now = time.time()
+        if force or now - self._last_stage_write > 1.0:
+            self.run.write_status("running", stage=text, stage_started=now, step=self._step)
+            self._last_stage_write = now
+
+    def _generation_stage(self, rows_done: int, rows: int, tokens: int, max_tokens: int) -> None:
+        chunk = f" (rows {rows_done + 1}-)" if rows_done else ""
+        self.stage(f"generating token {tokens}/{max_tokens} of {rows} responses{chunk}")
+
+    # ---- setup ----
+
+    def setup(self) -> None:
+        """Load data, models and (with resume) the last checkpoint; done once, on first need."""
+        if self._ready:
+            return
+        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        self.run.create()
+        self.run.config.write_text(to_yaml(cfg))
+        self.stage("loading data", force=True)
+        self.tokenizer = load_tokenizer(arr.model.path, arr.model.tokenizer_path)
+        self.train_set = self._dataset(cfg.data.train_files)
+        val = self._dataset(cfg.data.val_files) if cfg.data.val_files else None
+        limit = cfg.data.val_max_samples
+        self.val_items = [val[i] for i in range(len(val) if not limit else min(limit, len(val)))] if val else []
+        self.sampler = data.PromptSampler(len(self.train_set), cfg.data.train_batch_size, seed=cfg.data.seed,
+                                          shuffle=cfg.data.shuffle)
+        self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.sampler.steps_per_epoch
+        self.reward_fns = [(target.rpartition(":")[2], load_custom_reward(target, ""))
+                           for target in cfg.reward.functions]
+        self.custom_fn = None
+        if cfg.custom_reward_function.path:
+            self.custom_fn = load_custom_reward(cfg.custom_reward_function.path,
+                                                        cfg.custom_reward_function.name)
+        ckpt = self._resume_point()
+        if ckpt is not None and resume_problems(cfg, ckpt):
+            raise ConfigError(resume_problems(cfg, ckpt))
+        world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+        self.stage(f"starting {world} worker(s) and loading models", force=True)
+        seed_everything(cfg.trainer.seed)
+        # The watch thread gets the run directory, not the trainer: holding the trainer would keep a dropped
+        # one (and its workers) alive.
+        self.workers = WorkerGroup(cfg, self.total_steps, pad_id=self.tokenizer.pad_token_id,
+                                   on_head_lost=functools.partial(_record_head_lost, self.run))
+        self.run.write_status("running", workers=self.workers.where)
+        if os.environ.get(NICE_ENV):
+            yield_cpu(int(os.environ[NICE_ENV]))
+        self.has_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        self.rollout = self.workers  # the group is the rollout engine: each rank generates its share
+        kl = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = (AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive"
+                        else FixedKLController(kl.kl_coef))
+        self.start_step = 0
+        if ckpt is not None:
+            self.stage(f"resuming from {ckpt.name}", force=True)
+            self._load(ckpt)
+        self._ready = True
+
+    def _dataset(self, files: list[str]) -> data.PromptDataset:
+        return data.PromptDataset(data.load_many(files), self.tokenizer, self.cfg.data.max_prompt_length,
+                                  truncation=self.cfg.data.truncation,
+                                  filter_overlong_prompts=self.cfg.data.filter_overlong_prompts,
+                                  source=", ".join(files))
+
+    def _resume_point(self) -> Path | None:
+        t = self.cfg.trainer
+        if t.resume_mode == "auto":
+            return latest_checkpoint(self.run.root)
+        if t.resume_mode == "resume_path":
+            path = Path(t.resume_from_path)
+            if not (path / "trainer_state.json").is_file():
+                raise FileNotFoundError(f"trainer.resume_from_path={path} is not a checkpoint folder "
+                                        "(no trainer_state.json)")
+            return path
+        return None
+
+    # ---- the loop ----
+
+    def train(self) -> dict[str, float]:
+        """Train to total steps; returns the last step's metrics. Always leaves a final status."""
+        self.run.create()
+        self.run.write_status("running", total_steps=None, step=0, started=time.time(), error=None)
+        stop = _install_stop_handlers()
+        try:
+            self.setup()
+            # Starting Ray (in setup) puts Ray's own SIGTERM handler in place, which ends the process without a
+            # final status: a SIGTERM to this process alone must still end as `stopped`. (The launcher's stop
+            # signals the whole group, Ray's processes too, and records `stopped` itself if this one cannot.)
+            _install_stop_handlers()
+            self.tracking = trackers.open_trackers(self.cfg.trainer.logger, self.run.root, self.cfg)
+            self.run.write_status("running", total_steps=self.total_steps, step=self.start_step)
+            metrics = self._loop()
+            self.stage("exporting", force=True)
+            if self.cfg.trainer.export_at_end:
+                self.export(self.run.export)
+            self.run.write_status("succeeded", stage="done", step=self._step, finished=time.time())
+            return metrics
+        except BaseException as e:
+            if not _stopped(e):
+                self._record_failure(e)
+                raise
+            lost = self.workers.head.lost if self._ready else None
+            if lost is None:
+                self.run.write_status("stopped", stage="stopped", finished=time.time())
+                if isinstance(e, RunStopped | KeyboardInterrupt):
+                    raise
+                raise RunStopped(str(e.__cause__)) from e
+            self._record_failure(WorkerError(lost))
+            raise WorkerError(lost) from e
+        finally:
+            stop()
+            gc.unfreeze()  # what this run held can be collected once it is gone
+            self.tables.finish()
+            self.tracking.close()
+
+    def _record_failure(self, e: BaseException) -> None:
+        """Stop the workers and write the failure, with what to do, into status.json."""
+        self.close()
+        error = f"{type(e).__name__}: {e}"
+        if "No space left on device" in error:
+            last = latest_checkpoint(self.run.root)
+            error += (f"\nThe disk holding {self.run.root} is full. Free space there (or move the run directory), "
+                      f"then resume with trainer.resume_mode=auto: the last whole checkpoint is "
+                      f"{last.name if last else 'none yet'}.")
+        try:
+            self.run.write_status("failed", stage="failed", finished=time.time(), error=error,
+                                  traceback="".join(traceback.format_exc().splitlines(True)[-30:]))
+        except OSError as write_error:  # e.g. still no space: the dashboard sees the process gone instead
+            print(f"could not record the failure in {self.run.status}: {write_error}\n{error}", flush=True)
+
+    def _loop(self) -> dict[str, float]:
+        t = self.cfg.trainer
+        metrics: dict[str, float] = {}
+        if t.val_before_train and self.start_step == 0 and self.val_items:
+            self._log_metrics({"step": 0, **self.validate()})
+        bar = tqdm(total=self.total_steps, initial=self.start_step, desc="train", unit="step",
+                   disable=not self.show_progress, dynamic_ncols=True)
+        for step in range(self.start_step + 1, self.total_steps + 1):
+            self._step = step
+            if t.debug.attach_rank >= 0 and step == t.debug.attach_step:
+                self._wait_for_debugger(t.debug.attach_rank, t.debug.port)
+            metrics = self.train_step(step)
+            if step == self.start_step + 1:
+                # What the first step compiled and cached, out of every full collection from now on.
+                freeze_heap()
+                self.workers.freeze_heap()
+            last = step == self.total_steps
+            if self.val_items and ((t.test_freq and step % t.test_freq == 0) or last):
+                with timer("testing", metrics):
+                    metrics.update(self.validate())
+            if (t.save_freq and step % t.save_freq == 0) or last:
+                with timer("save_checkpoint", metrics):
+                    self.tables.wait()  # a checkpoint at this step resumes after it: its tables must be whole
+                    self.save(step)
+            self._log_metrics(metrics)
+            self.run.write_status("running", step=step, stage=f"finished step {step}", stage_started=time.time())
+            bar.update(1)
+            bar.write(summary_line(metrics, self.total_steps))
+        bar.close()
+        return metrics
+
+    def _wait_for_debugger(self, rank: int, port: int) -> None:
+        host, port = self.workers.attach_debugger(rank, port)
+        where = f"{host}:{port}"
+        message = (f"worker rank {rank} is waiting for a debugger at {where} (VS Code: 'Python Debugger: Remote "
+                   f"Attach' to that host and port); step {self._step} starts once one attaches")
+        print(message, flush=True)
+        # The stage first: a reader that sees `debugger` must also see the stage that explains it.
+        self.stage(message, force=True)
+        self.run.write_status("running", debugger=where)
+        self.workers.wait_for_debugger(rank, heartbeat=lambda: self.stage(message))
+        self.run.write_status("running", debugger=None)
+
+    def _log_metrics(self, metrics: dict) -> None:
+        """metrics.jsonl first (the run directory contract), then the trackers of trainer.logger."""
+        self.run.append_metrics(metrics)
+        self.tracking.log(metrics, metrics["step"])
+
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg = self.cfg
+        arr = cfg.actor_rollout_ref
+        timings: dict[str, float] = {}
+        # Sampling depends only on (seed, step), so a resumed run draws what an uninterrupted one would.
+        seed_everything(cfg.trainer.seed * 1_000_003 + step)
+        with timer("step", timings):
+            # ---- prompts, rollout, reward ----
+            epoch = self.sampler.epoch
+            params = SamplingParams(n=arr.rollout.n, temperature=arr.rollout.temperature, top_p=arr.rollout.top_p,
+                                    top_k=arr.rollout.top_k, max_new_tokens=cfg.data.max_response_length,
+                                    seed=cfg.trainer.seed * 1_000_003 + step, ignore_eos=arr.rollout.ignore_eos)
+            items, batch, scoring = self._sample_and_score(params, timings)
+            group_ids = batch.prompt_index
+            response_mask = batch.response_mask.float()  # (B, R)
+            rows = [items[i] for i in group_ids.tolist()]
+            tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                       "responses": batch.responses, "response_mask": batch.response_mask}
+            if batch.rollout_log_probs is not None:
+                # The engine's own log-probs (vllm): the update corrects for their mismatch with the
+                # trainer's (algorithm.rollout_correction) and logs it as rollout/*.
+                tensors["rollout_log_probs"] = batch.rollout_log_probs
+
+            # ---- log-probs ----
+            plan = batch_plan(cfg)
+            # On-policy with one optimizer step: old log-probs equal the current ones, so the ratio
+            # is exactly 1 and the update computes them itself; skip the extra forward pass.
+            if plan.optimizer_steps_per_step > 1:
+                with timer("old_log_prob", timings):
+                    self.stage("computing old log-probs", force=True)
+                    tensors["old_log_probs"], _ = self.workers.compute_log_prob(tensors)
+            if self.has_ref:
+                with timer("ref", timings):
+                    self.stage("computing reference log-probs", force=True)
+                    tensors["ref_log_probs"] = self.workers.compute_ref_log_prob(tensors)
+
+            # ---- scores (computed while the log-probs were) ----
+            texts, scored = scoring()
+            scores = torch.tensor(scored.scores, dtype=torch.float32)  # (B,)
+            shaping: dict[str, float] = {}
+            ob = cfg.reward.overlong_buffer
+            if ob.enable:
+                penalty = overlong_penalty(response_mask.sum(-1), cfg.data.max_response_length, ob.len,
+                                                 ob.penalty_factor)
+                scores = scores + penalty
+                shaping["reward/overlong_penalty/mean"] = penalty.mean().item()
+                shaping["reward/overlong_penalty/frac"] = (penalty < 0).float().mean().item()
+            token_level_scores = _place_at_last_token(scores, response_mask)  # (B, R)
+
+            reward_baselines = None
+            if cfg.algorithm.adv_estimator == "remax":
+                with timer("gen_baseline", timings):
+                    reward_baselines = self._greedy_baselines(items, params)[group_ids]
+            if uses_critic(cfg):
+                with timer("values", timings):
+                    self.stage("computing critic values", force=True)
+                    tensors["values"] = self.workers.compute_values(tensors)
+
+            # ---- advantages ----
+            with timer("adv", timings):
+                kl_metrics: dict[str, float] = {}
+                token_level_rewards = token_level_scores
+                if cfg.algorithm.use_kl_in_reward:
+                    old = tensors.get("old_log_probs")
+                    if old is None:
+                        old, _ = self.workers.compute_log_prob(tensors)
+                    token_level_rewards, kl_metrics = apply_kl_penalty(
+                        token_level_scores, old, tensors["ref_log_probs"], response_mask, self.kl_ctrl.value,
+                        cfg.algorithm.kl_penalty)
+                    self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=len(items))
+                advantages, returns = compute_advantage(
+                    cfg.algorithm.adv_estimator, token_level_rewards=token_level_rewards,
+                    response_mask=response_mask, group_ids=group_ids, values=tensors.get("values"),
+                    reward_baselines=reward_baselines, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+                    norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
+                tensors["advantages"] = advantages
+
+            # ---- update ----
+            a = arr.actor
+            mini_rows = a.ppo_mini_batch_size * arr.rollout.n
+            critic_metrics: dict[str, float] = {}
+            if uses_critic(cfg):
+                with timer("update_critic", timings):
+                    self.stage("updating the critic", force=True)
+                    tensors["returns"] = returns
+                    critic_metrics = self.workers.update_critic(tensors, mini_rows=mini_rows, epochs=a.ppo_epochs,
+                                                                shuffle=a.shuffle)
+                    critic_metrics["critic/explained_variance"] = explained_variance(
+                        tensors["values"], returns, response_mask).item()
+            # PPO's critic warm-up: the first trainer.critic_warmup steps fit the values and leave the policy.
+            train_actor = not uses_critic(cfg) or step > cfg.trainer.critic_warmup
+            token_sample = None
+            actor_metrics: dict[str, float] = {}
+            if train_actor:
+                # With one optimizer step the update's own forward gives the token view's "before" values.
+                one_step = plan.optimizer_steps_per_step == 1
+                with timer("token_log", timings):
+                    token_sample = self._token_sample(tensors, from_update=one_step)
+                marked = ({"token_row": _token_row_marks(len(tensors["responses"]), len(token_sample["responses"]))}
+                          if one_step and token_sample is not None else {})
+                with timer("update_actor", timings):
+                    actor_metrics = self.workers.update_actor(
+                        {**tensors, **marked}, mini_rows=mini_rows, epochs=a.ppo_epochs, shuffle=a.shuffle,
+                        progress=lambda d, n: self.stage(f"updating micro-batch {d}/{n} (rank 0)"))
+                self._check_finite(step, actor_metrics)
+            if token_sample is not None:
+                with timer("token_log", timings):
+                    if one_step:
+                        before, entropy, after = self.workers.update_log_probs()
+                        token_sample.update(before_log_probs=before, entropy=entropy)
+                    else:
+                        after, _ = self.workers.compute_log_prob(token_sample)
+                    self.tables.submit(step, lambda: self.run.write_token_log(step, self._token_rows(token_sample,
+                                                                                                      after)))
+
+        # ---- metrics and rollouts ----
+        metrics = {"step": step, "epoch": epoch, "time": time.time(), **actor_metrics, **critic_metrics, **kl_metrics,
+                   **scored.metrics, **shaping, **timings}
+        if cfg.algorithm.filter_groups.enable:
+            metrics.update(self._filter_stats)
+        if reward_baselines is not None:
+            metrics["reward/greedy_baseline/mean"] = reward_baselines.mean().item()
+        if "values" in tensors:
+            metrics.update(_stats("critic/values", tensors["values"][response_mask.bool()]))
+        metrics.update(batch_metrics(batch, scores, token_level_rewards, advantages, returns, group_ids,
+                                     cfg.data.max_response_length))
+        metrics["perf/total_num_tokens"] = int(batch.attention_mask.sum())
+        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / timings["timing_s/step"]
+        if scored.first_error:
+            metrics["reward/first_error"] = scored.first_error
+        if cfg.trainer.rollout_log_max:
+            self.tables.submit(step, lambda: self.run.write_rollouts(step, rollout_rows(
+                step, rows, texts, scored, advantages, batch, cfg.trainer.rollout_log_max)))
+        return metrics
+
+    def _sample_and_score(self, params: SamplingParams, timings: dict[str, float]
+                          ) -> tuple[list[dict], RolloutBatch, Callable[[], tuple[list[str], ScoredBatch]]]:
+        """The step's prompts, their responses, and a function that returns the responses as text and
+        their scores. The rule scorers run on a thread while the caller goes on to the log-prob passes
+        (as verl's launch_reward_fn_async), so a slow reward costs no time while the workers are busy;
+        the function waits for them. With algorithm.filter_groups (DAPO's dynamic sampling), which needs
+        the scores to choose the rows, or a reward model, which runs on the workers, scoring happens
+        here: a group whose responses all score the same is dropped (its advantages are all 0) and more
+        prompts are drawn, up to max_num_gen_batches rounds, until data.train_batch_size groups are kept."""
+        fg = self.cfg.algorithm.filter_groups
+        want = self.cfg.data.train_batch_size
+        kept_items: list[dict] = []
+        kept_batches: list[tuple[RolloutBatch, torch.Tensor]] = []
+        kept_scores: list[tuple[ScoredBatch, list[int]]] = []
+        kept_texts: list[str] = []
+        rounds = fg.max_num_gen_batches if fg.enable else 1
+        for round_ in range(rounds):
+            items = [self.train_set[i] for i in self.sampler.next_batch()]
+            # Each round draws new samples: its own seed, still a function of (seed, step) for resumes.
+            round_params = dataclasses.replace(params, seed=params.seed + round_ * 1_000_000_007)
+            with timer("gen", timings):
+                batch = self.rollout.generate([it["prompt_ids"] for it in items], round_params,
+                                              progress=self._generation_stage)
+            if not fg.enable and not self.cfg.reward_model.enable:
+                return items, batch, _in_background(functools.partial(self._decode_and_score, items, batch, timings),
+                                                    on_wait=lambda: self.stage("scoring", force=True))
+            self.stage("scoring", force=True)
+            texts, scored = self._decode_and_score(items, batch, timings)
+            if not fg.enable:
+                return items, batch, _ready((texts, scored))
+            keep = groups_with_signal(torch.tensor(scored.scores), batch.prompt_index)
+            groups = batch.prompt_index[keep].unique().tolist()[:want - len(kept_items)]
+            chosen = torch.nonzero(torch.isin(batch.prompt_index, torch.tensor(groups, dtype=torch.long))).flatten()
+            kept_items += [items[g] for g in groups]
+            kept_batches.append((batch, chosen))
+            kept_scores.append((scored, chosen.tolist()))
+            kept_texts += [texts[i] for i in chosen.tolist()]
+            self._filter_stats = {"batch/dynamic_sampling_rounds": round_ + 1, "batch/kept_groups": len(kept_items)}
+            if len(kept_items) >= want:
+                break
+        if not kept_items:
+            raise RuntimeError(f"algorithm.filter_groups: every group of {rounds} generation round(s) scored the "
+                               "same for all its responses, so no step can learn from them; raise "
+                               "algorithm.filter_groups.max_num_gen_batches or rollout.n, or check the reward")
+        scored = concat_scored(kept_scores)
+        return kept_items, concat_rows(kept_batches, self.tokenizer.pad_token_id), _ready((kept_texts, scored))
+
+    def _decode_and_score(self, items: list[dict], batch: RolloutBatch, timings: dict[str, float]
+                          ) -> tuple[list[str], ScoredBatch]:
+        with timer("reward", timings):
+            texts = self._decode(batch)
+            return texts, self._score([items[i] for i in batch.prompt_index.tolist()], texts)
+
+    def _greedy_baselines(self, items: list[dict], params: SamplingParams) -> torch.Tensor:
+        """ReMax's baseline: the score of one greedy response per prompt, (prompts,)."""
+        self.stage("generating greedy baselines", force=True)
+        greedy = dataclasses.replace(params, n=1, greedy=True)
+        batch = self.rollout.generate([it["prompt_ids"] for it in items], greedy)
+        return torch.tensor(self._score(items, self._decode(batch)).scores, dtype=torch.float32)
+
+    def _decode(self, batch: RolloutBatch) -> list[str]:
+        return self.tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)
+
+    def _score(self, rows: list[dict], texts: list[str]) -> ScoredBatch:
+        """Each response's score: the rule scorer (data_source's, or custom_reward_function) times
+        reward.rule_weight, plus each of reward.functions and the reward model times its weight."""
+        r = self.cfg.reward
+        args = ([row["data_source"] for row in rows], texts, [row["ground_truth"] for row in rows],
+                [row["extra_info"] for row in rows])
+        rule = (score_batch(*args, custom_fn=self.custom_fn, timeout_s=r.timeout_s) if r.rule_weight
+                else from_scores([0.0] * len(texts)))
+        terms = [("rule", r.rule_weight, rule)]
+        for (name, fn), weight in zip(self.reward_fns, r.weights or [1.0] * len(self.reward_fns), strict=True):
+            terms.append((name, weight, score_batch(*args, custom_fn=fn, timeout_s=r.timeout_s)))
+        if self.cfg.reward_model.enable:
+            values = self.workers.score_with_reward_model([row["messages"] for row in rows], texts)
+            terms.append(("reward_model", self.cfg.reward_model.weight, from_scores(values)))
+        return weighted_sum(terms) if len(terms) > 1 or r.rule_weight != 1 else rule
+
+    def _check_finite(self, step: int, actor_metrics: dict[str, float]) -> None:
+        """Say when optimizer steps were dropped for a non-finite loss or gradient; stop if so configured."""
+        skipped = int(actor_metrics.get("actor/skipped_steps", 0))
+        if not skipped:
+            return
+        total = batch_plan(self.cfg).optimizer_steps_per_step
+        message = (f"step {step}: {skipped} of {total} optimizer step(s) met a non-finite loss or gradient norm "
+                   f"(grad_norm {actor_metrics.get('actor/grad_norm')})")
+        if self.cfg.actor_rollout_ref.actor.nan_policy == "stop":
+            raise NonFiniteError(f"{message}; actor_rollout_ref.actor.nan_policy=stop ends the run here. The last "
+                                 "checkpoint is intact: lower the learning rate (or check the reward) and resume")
+        warnings = (read_status(self.run.root) or {}).get("warnings") or []
+        warnings = [*warnings, f"{message}: skipped (actor_rollout_ref.actor.nan_policy=skip)"][-20:]
+        self.run.write_status("running", warnings=warnings)
+        print(f"warning: {warnings[-1]}", flush=True)
+
+    # ---- the token view's data ----
+
+    def _token_sample(self, tensors: dict[str, torch.Tensor], from_update: bool) -> dict[str, torch.Tensor] | None:
+        """The first trainer.token_log_max responses, with their log-probs and entropy before the update
+        unless they come `from_update` (its first forward, read after it by update_log_probs)."""
+        k = min(self.cfg.trainer.token_log_max, self.cfg.trainer.rollout_log_max, len(tensors["responses"]))
+        if k == 0:
+            return None
+        sample = {key: value[:k] for key, value in tensors.items()}
+        if not from_update:
+            sample["before_log_probs"], sample["entropy"] = self.workers.compute_log_prob(sample)
+        return sample
+
+    def _token_rows(self, sample: dict[str, torch.Tensor], after: torch.Tensor) -> dict[str, list]:
+        """Per-token quantities of the sampled responses; `clipped` marks tokens whose ratio after the
+        update (`after`: their log-probs then, (k, R)) lies outside the clip range in the direction the
+        advantage pushes (where PPO stops)."""
+        before, adv = sample["before_log_probs"], sample["advantages"]
+        ratio = torch.exp(after - before)
+        clipped = ((adv > 0) & (ratio > 1 + self.clip_high)) | ((adv < 0) & (ratio < 1 - self.clip_low))
+        ref = sample.get("ref_log_probs")
+        rows: dict[str, list] = {key: [] for key in ("row", "token_ids", "tokens", "log_prob", "ref_log_prob", "kl",
+                                                     "entropy", "advantage", "clipped")}
+        for i in range(len(before)):
+            n = int(sample["response_mask"][i].sum())
+            ids = sample["responses"][i, :n].tolist()
+            rows["row"].append(i)
+            rows["token_ids"].append(ids)
+            rows["tokens"].append([self.tokenizer.decode([t]) for t in ids])
+            rows["log_prob"].append(before[i, :n].tolist())
+            rows["ref_log_prob"].append(ref[i, :n].tolist() if ref is not None else [None] * n)
+            rows["kl"].append((before[i, :n] - ref[i, :n]).tolist() if ref is not None else [None] * n)
+            rows["entropy"].append(sample["entropy"][i, :n].tolist())
+            rows["advantage"].append(adv[i, :n].tolist())
+            rows["clipped"].append(clipped[i, :n].tolist())
+        return rows
+
+    # ---- validation, checkpoints, export ----
+
+    def validate(self) -> dict[str, float]:
+        """Greedy accuracy on the configured validation rows (data.val_files, data.val_max_samples)."""
+        self.stage("validating", force=True)
+        result = evaluate(self.rollout, self.tokenizer, self.val_items, self.cfg.data.max_response_length,
+                          custom_fn=self.custom_fn, timeout_s=self.cfg.reward.timeout_s,
+                          batch_size=self.cfg.data.val_batch_size,
+                          progress=lambda d, n: self.stage(f"validating {d}/{n}"))
+        return result.metrics
+
+    def evaluate(self, data_file: str | Path | None = None, *, limit: int = 0) -> dict[str, float]:
+        """Greedy accuracy of the current weights: on the validation set, or on any parquet file."""
+        self.setup()
+        if data_file is None:
+            return self.validate()
+        return self._generator().evaluate(
+            data_file, limit=limit, max_new_tokens=self.cfg.data.max_response_length,
+            max_prompt_length=self.cfg.data.max_prompt_length, batch_size=self.cfg.data.val_batch_size,
+            custom_fn=self.custom_fn, timeout_s=self.cfg.reward.timeout_s).metrics
+
+    def generate(self, prompts: str | list[str], *, n: int = 1, temperature: float = 0.0,
+                 max_new_tokens: int | None = None) -> list[list[str]]:
+        """Answers of the current weights to user prompts (chat template applied; temperature 0 = greedy)."""
+        self.setup()
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        return self._generator().generate(prompts, n=n, temperature=temperature,
+                                          max_new_tokens=max_new_tokens or self.cfg.data.max_response_length)
+
+    def _generator(self) -> Generator:
+        return Generator(self.workers, self.tokenizer)
+
+    def save(self, step: int) -> Path:
+        """A sharded checkpoint (backend.core.checkpoint has the layout): each rank writes its own files."""
+        self.stage(f"saving checkpoint step_{step}", force=True)
+        tmp = self.run.begin_checkpoint(step)
+        try:
+            self.workers.save_checkpoint(tmp)
+            self.tokenizer.save_pretrained(tmp / checkpoint.HF)
+            state = {"step": step, "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctrl.value,
+                     "seed": self.cfg.trainer.seed, "world_size": self.workers.world_size}
+            (tmp / "trainer_state.json").write_text(json.dumps(state))
+        except BaseException:
+            # A half-written checkpoint is never resumed from; removing it also gives back the space a
+            # full disk needs to record the failure.
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return self.run.commit_checkpoint(tmp, step, self.cfg.trainer.max_checkpoints_to_keep)
+
+    def _load(self, ckpt: Path) -> None:
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        self.workers.load_checkpoint(ckpt)
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.value = state["kl_coef"]
+        self.start_step = self._step = state["step"]
+        self.run.truncate_metrics(self.start_step)
+
+    def export(self, folder: str | Path | None = None) -> Path:
+        """The current weights as a plain Hugging Face folder (default: the run's export/)."""
+        self.setup()
+        folder = Path(folder) if folder else self.run.export
+        tmp = folder.with_name(f".{folder.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.workers.export(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+        return folder
+
+    def close(self) -> None:
+        """Stop the workers; a later call that needs them starts them again from the base model."""
+        if self._ready:
+            self.workers.shutdown()
+            self._ready = False
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---- helpers of the loop ----
+
+def _token_row_marks(rows: int, k: int) -> torch.Tensor:
+    """(rows,) int64: i for the token view's i-th response (the first k), -1 for the others."""
+    marks = torch.arange(rows)
+    marks[k:] = -1
+    return marks
+
+
+def _ready(value: T) -> Callable[[], T]:
+    return lambda: value
+
+
+def _in_background(fn: Callable[[], T], on_wait: Callable[[], None]) -> Callable[[], T]:
+    """fn() started on a daemon thread (a hung reward function must not keep the process alive); the
+    returned function waits for its result, calling on_wait first if it is not ready, or raises what fn
+    raised."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as e:  # handed to the waiting caller
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name="scoring", daemon=True)
+    thread.start()
+
+    def result() -> T:
+        if thread.is_alive():
+            on_wait()
+        while thread.is_alive():
+            thread.join(0.1)  # in slices, so a stop signal reaches the main thread while it waits
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    return result
+
+
+class TableWriter:
+    """Writes a step's tables (the rollouts and the token view: decoding, building, parquet) on one
+    thread, in order, off the step's path: they are written while the next step generates."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tables")
+        self._pending: list[tuple[int, concurrent.futures.Future]] = []
+
+    def submit(self, step: int, write: Callable[[], object]) -> None:
+        """Queue `write` for `step`, once every earlier step's writes are done (at most one step behind)."""
+        self.wait(before_step=step)
+        self._pending.append((step, self._pool.submit(write)))
+
+    def wait(self, before_step: int | None = None) -> None:
+        """Wait for the writes of the steps before `before_step` (all by default); raise what one raised."""
+        waiting = [(s, f) for s, f in self._pending if before_step is None or s < before_step]
+        self._pending = [(s, f) for s, f in self._pending if before_step is not None and s >= before_step]
+        for _, future in waiting:
+            future.result()
+
+    def finish(self) -> None:
+        """Let the queued writes end, without raising their errors: a stopped or failed run records its
+        own end, and a run that succeeded has waited (and raised) before its last checkpoint."""
+        concurrent.futures.wait([f for _, f in self._pending])
+        self._pending = []
+
+
+def _place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) sequence scores -> (B, R) token-level scores, the score on each response's last token."""
+    out = torch.zeros_like(response_mask, dtype=torch.float32)
+    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+    out[torch.arange(len(scores)), last] = scores * (response_mask.sum(-1) > 0)
+    return out
+
+
+def batch_metrics(batch: RolloutBatch, scores: torch.Tensor, token_level_rewards: torch.Tensor,
+                  advantages: torch.Tensor, returns: torch.Tensor, group_ids: torch.Tensor,
+                  max_response_length: int) -> dict[str, float]:
+    """verl's data metrics: score, reward, advantage, return and length statistics of one step."""
+    mask = batch.response_mask.bool()
+    lengths = batch.response_mask.sum(-1)
+    prompt_lengths = batch.attention_mask[:, : batch.prompt_length].sum(-1)
+    m = {}
+    m.update(_stats("critic/score", scores))
+    m.update(_stats("critic/rewards", token_level_rewards.sum(-1)))
+    m.update(_stats("critic/advantages", advantages[mask]))
+    m.update(_stats("critic/returns", returns[mask]))
+    m.update(_stats("response_length", lengths))
+    m["response_length/clip_ratio"] = (lengths >= max_response_length).float().mean().item()
+    m.update(_stats("prompt_length", prompt_lengths))
+    groups = [scores[group_ids == g] for g in group_ids.unique()]
+    m["batch/zero_spread_groups"] = sum(bool((g == g[0]).all()) for g in groups) / len(groups)
+    m["batch/solve_all"] = sum(bool((g >= 1).all()) for g in groups) / len(groups)
+    m["batch/solve_none"] = sum(bool((g <= 0).all()) for g in groups) / len(groups)
+    return m
+
+
+def rollout_rows(step: int, rows: list[dict], texts: list[str], scored: ScoredBatch,
+                 advantages: torch.Tensor, batch: RolloutBatch, limit: int) -> dict[str, list]:
+    """The rollouts/step_N.parquet table: one row per sampled response (first `limit`)."""
+    n = min(limit, len(texts))
+    lengths = batch.response_mask.sum(-1).tolist()
+    part_names = sorted({k for p in scored.parts for k in p})
+    out: dict[str, list] = {
+        "step": [step] * n,
+        "group": batch.prompt_index[:n].tolist(),
+        "data_source": [r["data_source"] for r in rows[:n]],
+        "index": [int(r["index"]) for r in rows[:n]],
+        "prompt": [r["prompt_text"] for r in rows[:n]],
+        "response": texts[:n],
+        "ground_truth": [str(r["ground_truth"]) for r in rows[:n]],
+        "pred": [p if p is None else str(p) for p in scored.preds[:n]],
+        "reward": scored.scores[:n],
+        "advantage": [float(advantages[i][: max(lengths[i], 1)].mean()) for i in range(n)],
+        "response_length": [int(x) for x in lengths[:n]],
+        "finish_reason": batch.finish_reasons[:n],
+    }
+    for name in part_names:
+        out[f"reward_{name}"] = [float(p.get(name, math.nan)) for p in scored.parts[:n]]
+    return out
+
+
+def summary_line(m: dict, total: int) -> str:
+    """One line per step for the console."""
+    def g(key: str, fmt: str = ".3f") -> str:
+        v = m.get(key)
+        return "-" if v is None else format(v, fmt)
+    line = (f"step {m['step']}/{total} | score {g('critic/score/mean')} | kl {g('actor/kl_loss', '.4f')} | "
+            f"pg_loss {g('actor/pg_loss', '.4f')} | len {g('response_length/mean', '.1f')} | "
+            f"gen {g('timing_s/gen', '.1f')}s | step {g('timing_s/step', '.1f')}s")
+    if "val/accuracy" in m:
+        line += f" | val acc {g('val/accuracy')}"
+    return line
+
+
+def _install_stop_handlers():
+    """SIGTERM (the UI's stop button) ends the run cleanly as `stopped`; returns an undo function."""
+    def handler(signum, frame):
+        raise RunStopped(f"received signal {signum}")
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (e.g. a UI test harness): nothing to install
+        return lambda: None
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def _stopped(e: BaseException) -> bool:
+    """A stop signal or Ctrl-C, also when it arrived inside a C extension's call (Ray's wait), which
+    reports it as a SystemError caused by the handler's RunStopped."""
+    while e is not None:
+        if isinstance(e, RunStopped | KeyboardInterrupt):
+            return True
+        e = e.__cause__
+    return False
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def yield_cpu(nice: int) -> None:
+    """Lower this run's CPU priority to `nice`: every process of its process group (the trainer, its Ray
+    and its workers; ones started later inherit it) and, under Linux's autogroup scheduling, its session's
+    group, which is what the kernel weighs against other sessions (such as the workbench's) whatever the
+    nice of their processes. A run started in the background leads its own session, so this changes
+    nothing else."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PGRP, 0, nice)
+    for _ in range(40):
+        try:
+            Path("/proc/self/autogroup").write_text(str(nice))
+            return
+        except BlockingIOError:  # the kernel takes one autogroup change per 100 ms from an unprivileged user
+            time.sleep(0.05)
+        except OSError:  # no autogroup scheduling on this kernel
+            return
+
+
+def _record_head_lost(run: RunDir, message: str) -> None:
+    """Called from the head-watch thread: the status says failed, with why, even if Ray ends the process
+    (it does 60 s after losing its head) before the main thread gets to `Trainer._record_failure`. A run
+    already ended (a stop signals Ray's processes too, so the head goes then as well) keeps its state."""
+    if (read_status(run.root) or {}).get("state", "running") != "running":
+        return
+    try:
+        run.write_status("failed", stage="failed", finished=time.time(), error=f"{WorkerError.__name__}: {message}")
+    except OSError as write_error:
+        print(f"could not record the lost Ray head in {run.status}: {write_error}\n{message}", flush=True)

@@ -1,0 +1,515 @@
+"""The controller's side of the workers: a Ray placement group of N `ActorRolloutRefWorker` ranks
+that the trainer calls as one object. Each call splits its batch across the ranks, runs them
+together and gathers the results back in order; a rank that dies or raises fails the call at once
+(the others are stopped), so the controller never waits on a collective that cannot finish.
+
+    trainer ── WorkerGroup.update_actor(batch) ──► rank 0: rows of every mini-batch, part 0 ┐ FSDP
+                                                   rank 1: rows of every mini-batch, part 1 ┘ all-gather,
+                                                                                              reduce-scatter
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import logging
+import math
+import os
+import socket
+import threading
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+import torch
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from backend.core.config import Config, to_dict, uses_critic
+from backend.engine import distributed
+from backend.rollout.base import RolloutBatch, SamplingParams, left_pad, right_pad
+
+Batch = dict[str, torch.Tensor]
+
+# Passed to workers on a cluster (a local Ray inherits this process's environment): the model cache,
+# and the variables that keep NVLink multicast off on shared multi-GPU hosts.
+_PASSED_ENV = ("GRPO_WB_CACHE", "HF_HOME", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+               "NVSHMEM_DISABLE_NVLS", "NCCL_DEBUG")
+_POLL_S = 0.5
+# How long a failed call waits for Ray to report a rank's death before blaming the rank that raised: when one
+# rank dies, the others fail at once in their collectives with a connection error, often before Ray notices.
+_DEATH_NOTICE_S = 5.0
+CRITIC = "critic"  # the critic's shards inside a checkpoint folder
+_PLACEMENT_TIMEOUT_S = 120.0
+
+
+class WorkerError(RuntimeError):
+    """A worker raised, or its process died; the message names the rank, its process and the call."""
+
+
+class HeadWatch:
+    """Watches the Ray head (its GCS port) from a daemon thread.
+
+    Ray ends a driver whose GCS has been unreachable for 60 s, abruptly and without a word, while the
+    workers may go on answering until then. Noticing first (`misses` failed connections `interval_s`
+    apart) lets the trainer record the failure and stop cleanly: `on_lost(message)` is called once.
+    """
+
+    def __init__(self, gcs_address: str, on_lost: Callable[[str], None], interval_s: float = 2.0, misses: int = 5):
+        host, port = gcs_address.rsplit(":", 1)
+        self.address = (host, int(port))
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(on_lost, interval_s, misses), daemon=True,
+                                        name="ray-head-watch")
+        self._thread.start()
+
+    def _watch(self, on_lost: Callable[[str], None], interval_s: float, misses: int) -> None:
+        missed = 0
+        while not self._stop.wait(interval_s):
+            try:
+                socket.create_connection(self.address, timeout=interval_s).close()
+                missed = 0
+            except OSError as e:
+                missed += 1
+                if missed >= misses:
+                    self.lost = (f"the Ray head at {self.address[0]}:{self.address[1]} is gone (no answer for "
+                                 f"{missed * interval_s:.0f} s: {e}); its workers go with it")
+                    on_lost(self.lost)
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+RAY_START_ATTEMPTS = 3
+_private_ray = False  # whether start_ray started a private Ray in this process
+
+
+def start_ray(cfg: Config) -> None:
+    """Join `trainer.ray_address`, or start a private Ray in this process (once per process)."""
+    if ray.is_initialized():
+        return
+    env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
+    if cfg.trainer.ray_address:
+        import backend
+
+        # The cluster's nodes need our dependencies installed; our own package travels with the job.
+        try:
+            ray.init(address=cfg.trainer.ray_address, runtime_env={"env_vars": env, "py_modules": [backend]},
+                     log_to_driver=True)
+        except ConnectionError as e:
+            raise WorkerError(f"cannot join the Ray cluster at trainer.ray_address={cfg.trainer.ray_address}: {e}. "
+                              "Check that `ray start --head` runs there; a cluster started by `ray start` uses token "
+                              "authentication, so export RAY_AUTH_MODE=token here with the head's token in "
+                              "~/.ray/auth_token (or RAY_AUTH_TOKEN)") from None
+        return
+    world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
+    # address="local": always a new private instance, even where `ray start` left a cluster address behind.
+    # Ray's start-up notices are noise in a run's log; its errors still show. Not prestarting a worker process
+    # per core for the first driver: a run's ranks are actors, each started as a new process, so those idle
+    # workers ran at most one small task and competed with the ranks' start for the cores (a tiny run's first
+    # step came 2-4 s later on 2 cores, and its start took 6 s more CPU).
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world), include_dashboard=False,
+                     log_to_driver=True, object_store_memory=512 * 2**20, runtime_env={"env_vars": env},
+                     logging_level=logging.ERROR, _system_config={"prestart_worker_first_driver": False})
+            global _private_ray
+            _private_ray = True
+            return
+        except Exception as e:
+            # Ray waits a fixed 30 s for its new node to register; on a small machine busy starting several
+            # runs at once that can run out. The processes of the failed start are ours to end.
+            if "timed out during startup" not in str(e) or attempt == RAY_START_ATTEMPTS:
+                raise
+            end_children()
+            ray.shutdown()
+
+
+def runs_private_ray() -> bool:
+    """Whether this process started a private Ray (its processes are this one's children) that still runs."""
+    return _private_ray and ray.is_initialized()
+
+
+def end_children() -> None:
+    """Kill every process this one started (a half-started Ray, or a stopped run's) and wait for them.
+
+    Only this process's own children are waited for: a killed grandchild (a Ray worker) stays a zombie
+    until whoever adopts it reaps it, which here took 1-2 s, while SIGKILL has already ended it."""
+    import psutil
+
+    me = psutil.Process()
+    own, children = me.children(), me.children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    psutil.wait_procs(own, timeout=10)
+
+
+def worker_device(cfg: Config) -> str:
+    """cuda when asked, or when `auto` and the Ray cluster has GPUs; else cpu."""
+    if cfg.trainer.device != "auto":
+        return cfg.trainer.device
+    return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+
+
+class WorkerGroup:
+    """`trainer.nnodes x trainer.n_gpus_per_node` ranks, placed together, one torch.distributed group."""
+
+    def __init__(self, cfg: Config, total_steps: int, pad_id: int,
+                 on_head_lost: Callable[[str], None] | None = None):
+        """on_head_lost(message) runs on the watch thread the moment the Ray head is found gone, before
+        the main thread is interrupted: a main thread blocked inside a Ray call may never see the
+        interrupt before Ray ends the process, so what must be recorded is recorded there."""
+        from backend.engine.workers import ActorRolloutRefWorker
+
+        start_ray(cfg)
+        self.cfg = cfg
+        self.pad_id = pad_id  # the controller's tokenizer's, for re-padding what the ranks return
+        self.world_size = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+        self.device = worker_device(cfg)
+        local = not cfg.trainer.ray_address
+        if self.device == "cuda":
+            bundle = {"GPU": 1, "CPU": 1}
+        else:
+            # A private Ray on this machine: the ranks share its cores (each sets its torch threads to its share).
+            bundle = {"CPU": max(1, (os.cpu_count() or 1) // self.world_size) if local else 1}
+        self._check_resources(bundle)
+        self.placement = placement_group([bundle] * self.world_size, strategy="PACK")
+        try:
+            ray.get(self.placement.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(self.placement)
+            raise WorkerError(f"Ray could not place {self.world_size} workers of {bundle} within "
+                              f"{_PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {_resources()}") from None
+        self._stores: list = []
+        master_addr, master_port = self._meeting_point()
+        # With a critic or a reward model, each bundle (a GPU, or a share of the cores) holds one rank of
+        # each role, colocated as in verl, sharing the bundle's resources equally.
+        share = 1.0 / (1 + uses_critic(cfg) + cfg.reward_model.enable)
+        self.workers = self._spawn(ActorRolloutRefWorker, bundle, share, master_addr, master_port,
+                                   lambda r, addr, port: (to_dict(cfg), r, self.world_size, addr, port, self.device,
+                                                          total_steps))
+        self.critics = []
+        if uses_critic(cfg):
+            from backend.engine.critic import CriticWorker
+
+            critic_addr, critic_port = self._meeting_point()
+            self.critics = self._spawn(CriticWorker, bundle, share, critic_addr, critic_port,
+                                       lambda r, addr, port: (critic_settings(cfg), r, self.world_size, addr, port,
+                                                              self.device, total_steps))
+        self.reward_models = []
+        if cfg.reward_model.enable:
+            from backend.engine.reward_model import RewardModelWorker
+
+            rm = cfg.reward_model
+            self.reward_models = self._spawn(RewardModelWorker, bundle, share, "", 0, lambda r, addr, port: (
+                rm.model.path, rm.micro_batch_size_per_gpu, cfg.actor_rollout_ref.actor.fsdp_config.param_dtype,
+                self.device, cfg.data.max_prompt_length + cfg.data.max_response_length))
+        # Dropping the group (or the Trainer holding it) stops the ranks and frees their placement.
+        self._stop = weakref.finalize(self, _stop, [*self.workers, *self.critics, *self.reward_models],
+                                      self.placement)
+        # The trainer's main thread learns of a lost head as an interrupt, the way it learns of Ctrl-C.
+        def lost(message: str) -> None:
+            if on_head_lost is not None:
+                on_head_lost(message)
+            _thread.interrupt_main()
+
+        self.head = HeadWatch(ray.get_runtime_context().gcs_address, lost)
+        self.where: list[dict] = [{"rank": r} for r in range(self.world_size)]
+        self.where = self._run([w.where.remote() for w in self.workers], "start-up")
+        self._run([c.where.remote() for c in self.critics], "critic start-up")
+        self._run([m.where.remote() for m in self.reward_models], "reward model start-up")
+
+    def _meeting_point(self) -> tuple[str, int]:
+        """Where a process group of the ranks meets: a store this controller serves, held as long as the
+        group (every node of a Ray cluster reaches the node its driver runs on)."""
+        host = ray.util.get_node_ip_address()
+        store = distributed.meeting_store(host)
+        self._stores.append(store)
+        return host, store.port
+
+    def _spawn(self, cls: type, bundle: dict, share: float, addr: str, port: int, args: Callable) -> list:
+        """One Ray actor of `cls` per rank, rank r in bundle r of the placement with `share` of its resources."""
+        remote_cls = ray.remote(concurrency_groups={"monitor": 1})(cls)
+        return [remote_cls.options(
+                    num_cpus=bundle["CPU"] * share, num_gpus=bundle.get("GPU", 0) * share, max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement,
+                                                                         placement_group_bundle_index=r),
+                ).remote(*args(r, addr, port))
+                for r in range(self.world_size)]
+
+    def _check_resources(self, bundle: dict) -> None:
+        have = _resources()
+        for name, amount in bundle.items():
+            if have.get(name, 0) < amount * self.world_size:
+                hint = ("lower trainer.n_gpus_per_node x trainer.nnodes, or join a larger cluster with "
+                        "trainer.ray_address") if name == "GPU" else "lower trainer.n_gpus_per_node"
+                raise WorkerError(f"this run needs {self.world_size} worker(s) with {amount:g} {name} each, but the "
+                                  f"Ray cluster has {have.get(name, 0):g} {name}: {hint}")
+
+    # ---- calling the ranks ----
+
+    def _run(self, refs: list, what: str, progress: Callable | None = None) -> list:
+        """Results of one call on every rank, in rank order. Polls rank 0's progress meanwhile; the
+        first rank to fail fails the call, and every rank is stopped (a survivor may be blocked in a
+        collective waiting for the dead one)."""
+        index = {ref: r for r, ref in enumerate(refs)}
+        pending = list(refs)
+        last = None
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    self.shutdown()
+                    if getattr(e, "actor_init_failed", False):
+                        raise WorkerError(f"{self._who(index[ref])} failed during {what}: {_raised(e)}") from None
+                    raise WorkerError(f"{self._who(index[ref])} died during {what}: {_death_reason(e)}") from None
+                except ray.exceptions.RayTaskError as e:
+                    died = self._death_among([r for r in refs if r is not ref], index)
+                    self.shutdown()
+                    if died is not None:
+                        rank, error = died
+                        raise WorkerError(f"{self._who(rank)} died during {what}: {_death_reason(error)}") from None
+                    cause = e.cause if getattr(e, "cause", None) is not None else e
+                    raise WorkerError(f"{self._who(index[ref])} failed during {what}: "
+                                      f"{type(cause).__name__}: {cause}") from e
+            if progress is not None and pending:
+                state = self._progress()
+                # rank 0 reports (kind, numbers...); a report left from an earlier call has another kind
+                if state and state[0] == what and state != last:
+                    progress(*state[1:])
+                    last = state
+        return ray.get(refs)
+
+    @staticmethod
+    def _death_among(refs: list, index: dict) -> tuple[int, Exception] | None:
+        """The rank, and Ray's error, of one of these calls whose worker died, given up to _DEATH_NOTICE_S
+        for Ray to notice; None if none did (a rank failed on its own)."""
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=_DEATH_NOTICE_S) if refs else ([], [])
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                return index[ref], e
+            except ray.exceptions.RayTaskError:
+                continue
+        return None
+
+    def _progress(self) -> tuple:
+        try:
+            return ray.get(self.workers[0].progress.remote(), timeout=5)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            return ()
+
+    def _who(self, rank: int) -> str:
+        """'worker rank r (pid p on host)', or '(not started)' before its start-up call has returned."""
+        w = self.where[rank]
+        place = f"pid {w['pid']} on {w['host']}" if "pid" in w else "not started"
+        return f"worker rank {rank} ({place})"
+
+    def _each(self, method: str, args_per_rank: list[tuple], what: str, progress: Callable | None = None) -> list:
+        return self._run([getattr(w, method).remote(*args) for w, args in zip(self.workers, args_per_rank,
+                                                                               strict=True)], what, progress)
+
+    def _all(self, method: str, *args, what: str = "") -> list:
+        return self._each(method, [args] * self.world_size, what or method)
+
+    # ---- what the trainer calls ----
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, progress=None) -> RolloutBatch:
+        """n responses per prompt, each rank answering a contiguous share of the prompts (the rollout
+        engine interface, so validation and evaluation use the group as they use a local engine)."""
+        shares = _split_counts(len(prompts), self.world_size)
+        starts = [sum(shares[:r]) for r in range(self.world_size)]
+        args = [(prompts[s:s + c], params, s * params.n) for s, c in zip(starts, shares, strict=True)]
+        report = None if progress is None else (lambda done, rows, tokens, most: progress(
+            done, len(prompts) * params.n, tokens, most))
+        parts = [p for p in self._each("generate", args, "generation", report) if p]
+        pad = self.pad_id
+        width = max(p["responses"].shape[1] for p in parts)
+        responses = torch.cat([right_pad(list(p["responses"]), width, pad) for p in parts])
+        response_mask = torch.cat([right_pad(list(p["response_mask"]), width, 0) for p in parts])
+        prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(params.n)], pad)
+        rollout_log_probs = None
+        if all("rollout_log_probs" in p for p in parts):  # (B, R) fp32, 0 at padding
+            rollout_log_probs = torch.cat([right_pad(list(p["rollout_log_probs"]), width, 0.0) for p in parts])
+        return RolloutBatch(
+            input_ids=torch.cat([prompt_ids, responses], 1), attention_mask=torch.cat([prompt_mask, response_mask], 1),
+            responses=responses, response_mask=response_mask,
+            prompt_index=torch.arange(len(prompts)).repeat_interleave(params.n),
+            finish_reasons=[f for p in parts for f in p["finish_reasons"]], rollout_log_probs=rollout_log_probs)
+
+    def compute_log_prob(self, batch: Batch, progress=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, R) log-probs under the current policy and the entropy, rows split evenly over the ranks."""
+        shards, n = _split_even(batch, self.world_size)
+        out = self._each("compute_log_prob", [(s,) for s in shards], "old log-probs")
+        return torch.cat([o[0] for o in out])[:n], torch.cat([o[1] for o in out])[:n]
+
+    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
+        shards, n = _split_even(batch, self.world_size)
+        return torch.cat(self._each("compute_ref_log_prob", [(s,) for s in shards], "reference log-probs"))[:n]
+
+    def update_actor(self, batch: Batch, mini_rows: int, epochs: int, shuffle: bool,
+                     progress=None) -> dict[str, float]:
+        """The PPO update over `epochs` passes of mini-batches of `mini_rows` responses (reshuffled each
+        pass when `shuffle`, from the torch RNG the trainer seeds per step). Every mini-batch is split
+        evenly across the ranks, so the optimizer steps are the same for any number of ranks."""
+        args = update_shards(batch, mini_rows, epochs, shuffle, self.world_size)
+        return _merge(self._each("update_actor", args, "the actor update", progress))
+
+    def update_log_probs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For the rows the last update_actor marked with token_row 0..k-1, in that order (every rank's
+        share gathered): log-probs and entropies (k, R) before its first optimizer step, and log-probs
+        (k, R) after its last."""
+        parts = self._all("update_log_probs", what="the update's log-probs")
+        rows, before, entropy, after = (torch.cat(p) for p in zip(*parts, strict=True))
+        order = rows.argsort()
+        return before[order], entropy[order], after[order]
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """(B, R) critic values of the state before each response token, rows split evenly over the ranks."""
+        shards, n = _split_even(batch, self.world_size)
+        refs = [c.compute_values.remote(s) for c, s in zip(self.critics, shards, strict=True)]
+        return torch.cat(self._run(refs, "critic values"))[:n]
+
+    def score_with_reward_model(self, messages: list[list[dict]], responses: list[str]) -> list[float]:
+        """The reward model's score of each response, each rank scoring a contiguous share."""
+        shares = _split_counts(len(responses), len(self.reward_models))
+        starts = [sum(shares[:r]) for r in range(len(shares))]
+        refs = [m.score.remote(messages[s:s + c], responses[s:s + c])
+                for m, s, c in zip(self.reward_models, starts, shares, strict=True) if c]
+        return [x for part in self._run(refs, "reward model scoring") for x in part]
+
+    def update_critic(self, batch: Batch, mini_rows: int, epochs: int, shuffle: bool) -> dict[str, float]:
+        """The value-model update, in mini-batches of `mini_rows` responses split evenly across the ranks,
+        as `update_actor` does."""
+        args = update_shards(batch, mini_rows, epochs, shuffle, self.world_size)
+        refs = [c.update_critic.remote(*a) for c, a in zip(self.critics, args, strict=True)]
+        return _merge(self._run(refs, "the critic update"))
+
+    def save_checkpoint(self, folder: Path) -> None:
+        self._all("save_checkpoint", str(folder), what="checkpoint save")
+        if self.critics:
+            self._run([c.save_checkpoint.remote(str(folder / CRITIC)) for c in self.critics], "critic checkpoint save")
+
+    def load_checkpoint(self, folder: Path) -> None:
+        self._all("load_checkpoint", str(folder), what=f"loading checkpoint {folder}")
+        if self.critics:
+            self._run([c.load_checkpoint.remote(str(folder / CRITIC)) for c in self.critics],
+                      f"loading the critic checkpoint {folder / CRITIC}")
+
+    def export(self, folder: Path) -> None:
+        self._all("export", str(folder), what="export")
+
+    def attach_debugger(self, rank: int, port: int) -> tuple[str, int]:
+        """Start debugpy in worker `rank`; returns (host, port) for the client. `wait_for_debugger` blocks."""
+        return self._run([self.workers[rank].debug_listen.remote(port)], "debugger start")[0]
+
+    def wait_for_debugger(self, rank: int, heartbeat: Callable[[], None]) -> None:
+        """Block until a client attaches to worker `rank`, calling `heartbeat` meanwhile."""
+        ref = self.workers[rank].debug_wait.remote()
+        while not ray.wait([ref], timeout=_POLL_S)[0]:
+            heartbeat()
+        self._run([ref], "waiting for the debugger")
+
+    def freeze_heap(self) -> list[int]:
+        """workers.freeze_heap in every actor and critic rank, for a run whose first step has compiled and
+        cached what it keeps; how many objects each froze."""
+        return self._run([w.freeze_heap.remote() for w in [*self.workers, *self.critics]], "freezing the heap")
+
+    def shutdown(self) -> None:
+        """Stop every rank and release the placement group; safe to call twice. With the head gone
+        there is nothing to ask (and asking would block): the ranks have gone with it."""
+        self.head.stop()
+        if self.head.lost:
+            self._stop.detach()
+            return
+        self._stop()
+
+
+def _stop(workers: list, placement) -> None:
+    if not ray.is_initialized():
+        return
+    for w in workers:
+        ray.kill(w, no_restart=True)
+    ray.util.remove_placement_group(placement)
+
+
+def update_shards(batch: Batch, mini_rows: int, epochs: int, shuffle: bool, world_size: int
+                  ) -> list[tuple[Batch, int]]:
+    """Each rank's rows of an update, in optimizer-step order, and its rows per mini-batch.
+
+    `epochs` passes over the batch (a new permutation per pass when `shuffle`) in mini-batches of
+    `mini_rows`; rank r gets part r of every mini-batch. A batch smaller than one mini-batch (DAPO's
+    dynamic sampling may keep fewer groups after its last round) is one smaller optimizer step, not none.
+    """
+    total = batch["responses"].shape[0]
+    mini_rows = min(mini_rows, max(total - total % world_size, world_size))
+    local_rows = mini_rows // world_size
+    per_rank: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+    for _ in range(epochs):
+        order = torch.randperm(total) if shuffle else torch.arange(total)
+        for m in range(total // mini_rows):
+            mini = order[m * mini_rows:(m + 1) * mini_rows]
+            for r in range(world_size):
+                per_rank[r].append(mini[r * local_rows:(r + 1) * local_rows])
+    return [({k: v[torch.cat(idx)] for k, v in batch.items()}, local_rows) for idx in per_rank]
+
+
+def _merge(results: list[dict[str, float]]) -> dict[str, float]:
+    """One metrics dict from every rank's: the largest memory peak and the largest of each `*_max`, the mean
+    of everything else."""
+    merged = {}
+    for key in results[0]:
+        values = [r[key] for r in results if key in r]
+        merged[key] = max(values) if key.startswith("perf/") or key.endswith("_max") else sum(values) / len(values)
+    return merged
+
+
+def critic_settings(cfg: Config) -> dict:
+    """The critic worker's settings (backend.engine.critic.REQUIRED_KEYS) from the run config."""
+    c, actor = cfg.critic, cfg.actor_rollout_ref.actor
+    return {"model_path": c.model.path or cfg.actor_rollout_ref.model.path,
+            "enable_gradient_checkpointing": c.model.enable_gradient_checkpointing, "lr": c.optim.lr,
+            "betas": list(c.optim.betas), "weight_decay": c.optim.weight_decay,
+            "lr_warmup_steps": c.optim.lr_warmup_steps, "grad_clip": c.grad_clip, "cliprange_value": c.cliprange_value,
+            "ppo_micro_batch_size_per_gpu": c.ppo_micro_batch_size_per_gpu, "loss_agg_mode": c.loss_agg_mode,
+            "param_dtype": c.fsdp_config.param_dtype, "offload_policy": c.fsdp_config.offload_policy,
+            "use_torch_compile": actor.use_torch_compile, "seed": cfg.trainer.seed}
+
+
+def _split_counts(n: int, parts: int) -> list[int]:
+    return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
+
+
+def _split_even(batch: Batch, parts: int) -> tuple[list[Batch], int]:
+    """Equal row counts for every rank (the last row repeated to fill), since sharded forward passes
+    are collective and every rank must run as many as the others; returns the shards and the real count."""
+    n = next(iter(batch.values())).shape[0]
+    per = math.ceil(n / parts)
+    index = torch.arange(per * parts).clamp(max=n - 1)
+    return [{k: v[index[r * per:(r + 1) * per]] for k, v in batch.items()} for r in range(parts)], n
+
+
+def _resources() -> dict:
+    return {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "memory")}
+
+
+def _raised(error: Exception) -> str:
+    """The exception a rank's constructor raised, from Ray's report of it: the traceback's last line."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1][:500] if lines else type(error).__name__
+
+
+def _death_reason(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    reason = next((line.strip() for line in text if "exit" in line.lower() or "killed" in line.lower()
+                   or "memory" in line.lower()), text[0] if text else type(error).__name__)
+    return f"the worker process ended ({reason[:300]})"

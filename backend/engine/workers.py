@@ -1,0 +1,365 @@
+"""The worker: one rank of the run, holding the actor (FSDP2-sharded policy and its optimizer), the
+reference (sharded the same way, no optimizer) and the rollout engine that samples with the actor's
+own gathered weights (colocated, as verl's ActorRolloutRefWorker).
+
+It runs as a Ray actor (see worker_group), but it is a plain class: every method takes and returns
+tensors and dicts, and the collective ones (everything that runs the model except generation) must be
+called on all ranks with the same number of rows. backend.engine.distributed says what each phase holds
+in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch._functorch.config
+
+from backend.algos.losses import agg_loss, get_policy_loss_fn, kl_penalty, rollout_is_weights
+from backend.core import checkpoint, lora
+from backend.core.config import Config, from_dict
+from backend.core.models import load_model, load_tokenizer, resolve_model
+from backend.engine import distributed
+from backend.engine.log_probs import response_log_probs
+from backend.engine.rank import PeakMemory, RankWorker, lr_lambda, micro_batches, node_ip, to_device
+from backend.rollout import static_cache
+from backend.rollout.base import HFGenerateEngine, SamplingParams, eos_ids_of
+from backend.rollout.vllm_engine import VLLMEngine
+
+Batch = dict[str, torch.Tensor]
+
+
+class ActorRolloutRefWorker(RankWorker):
+    """Rank `rank` of `world_size`. `device` is "cuda" (the one GPU Ray gave this process) or "cpu"."""
+
+    def __init__(self, cfg: dict, rank: int, world_size: int, master_addr: str, master_port: int,
+                 device: str, total_steps: int):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # per-file bars from every rank would flood the run's log
+        self.cfg: Config = from_dict(cfg)
+        arr = self.cfg.actor_rollout_ref
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        distributed.init_process_group(rank, world_size, master_addr, master_port, self.device)
+        torch.manual_seed(self.cfg.trainer.seed)
+        dtype = distributed.param_dtype(arr.actor.fsdp_config.param_dtype, self.device)
+
+        compile_layers = arr.actor.use_torch_compile and self.device.type == "cuda"
+        if compile_layers:
+            # Read by the partitioner of every compiled graph with a backward in this process: only the
+            # actor's layers train here (the reference and the vocabulary pass compile forward graphs).
+            torch._functorch.config.activation_memory_budget = arr.actor.activation_memory_budget
+        self.actor = load_model(arr.model.path, torch.device("cpu"))  # fp32 master weights, sharded below
+        if arr.model.enable_gradient_checkpointing:
+            self.actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.lora = arr.model.lora_rank > 0
+        if self.lora:
+            self.actor = lora.wrap(self.actor, arr.model.lora_rank, arr.model.lora_alpha, arr.model.target_modules)
+        self.gather_once = distributed.gathers_once(world_size, arr.actor.fsdp_config.offload_policy)
+        self.ref_gather_once = distributed.gathers_once(world_size, arr.ref.fsdp_config.offload_policy)
+        distributed.shard_model(self.actor, self.device, dtype, offload=arr.actor.fsdp_config.offload_policy,
+                                compile_layers=compile_layers, per_layer=not self.gather_once)
+        self.actor.train()
+        opt = arr.actor.optim
+        # With LoRA only the adapters train: the frozen base gets no gradients and no AdamW state.
+        # Fused on GPUs: one kernel for every parameter (12.5 ms a step against 16-18 ms for foreach on
+        # the H200 workload); offloaded parameters step on the CPU as before.
+        fused = self.device.type == "cuda" and not arr.actor.fsdp_config.offload_policy
+        self.optimizer = torch.optim.AdamW([p for p in self.actor.parameters() if p.requires_grad], lr=opt.lr,
+                                           betas=tuple(opt.betas), weight_decay=opt.weight_decay, fused=fused or None)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(opt.lr_warmup_steps, total_steps, opt.warmup_style, opt.min_lr_ratio))
+
+        self.ref = None
+        # A LoRA run's reference is its own base with the adapters off (lora.reference_mode): no second copy.
+        if (arr.actor.use_kl_loss or self.cfg.algorithm.use_kl_in_reward) and not self.lora:
+            # Stored in the compute dtype (no optimizer needs fp32 here): the same values the actor's
+            # fp32 weights gather to, so the KL is exactly 0 before the first update.
+            self.ref = load_model(arr.model.path, torch.device("cpu"), dtype).eval().requires_grad_(False)
+            distributed.shard_model(self.ref, self.device, dtype, offload=arr.ref.fsdp_config.offload_policy,
+                                    compile_layers=compile_layers, per_layer=not self.ref_gather_once)
+        self.tokenizer = load_tokenizer(arr.model.path, arr.model.tokenizer_path)
+        self.rollout = self._rollout_engine(dtype)
+        self.temperature = arr.rollout.temperature
+        self.compiled = compile_layers
+        self.clip_low, self.clip_high = arr.actor.clip_range()
+        self.policy_loss = get_policy_loss_fn(arr.actor.policy_loss.loss_mode)
+        self._progress: tuple = ()
+        self._update_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._peaks = PeakMemory(self.device)
+        self._phase = self._peaks.phase
+
+    def _rollout_engine(self, dtype: torch.dtype):
+        r = self.cfg.actor_rollout_ref.rollout
+        max_len = self.cfg.data.max_prompt_length + self.cfg.data.max_response_length
+        if r.name == "vllm":
+            base = lora.unwrap(self.actor)
+            return VLLMEngine(resolve_model(self.cfg.actor_rollout_ref.model.path), eos_ids_of(base, self.tokenizer),
+                              self.tokenizer.pad_token_id, self.device, dtype, max_len,
+                              gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.generation_batch_size,
+                              enforce_eager=r.enforce_eager, sleep=r.free_cache_engine, seed=self.cfg.trainer.seed)
+        reason = static_cache.unsupported_reason(self.actor.config)
+        if r.name == "hf" or (r.name == "auto" and reason):
+            return HFGenerateEngine(self.actor, self.tokenizer, r.generation_batch_size, device=self.device,
+                                    autocast=False)
+        if reason:
+            raise ValueError(f"actor_rollout_ref.rollout.name=workbench cannot run this model: {reason}")
+        return static_cache.StaticCacheEngine(lora.unwrap(self.actor), self.tokenizer, r.generation_batch_size,
+                                        self.device, dtype, max_len=max_len, cuda_graphs=not r.enforce_eager,
+                                        free_after_generate=r.free_cache_engine)
+
+    @staticmethod
+    def _gathered(model, once: bool):
+        """The model gathered once for a whole phase when `once` (distributed.gathers_once), else FSDP's
+        gather and free around each layer."""
+        return distributed.unsharded(model) if once else contextlib.nullcontext()
+
+    # ---- rollout ----
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, first_row: int) -> dict:
+        """Responses to this rank's prompts, sampled with the current weights gathered once for the
+        whole generation (no collectives while decoding, so ranks finish independently)."""
+        self._progress = ()
+        if not prompts:
+            return {}
+        report = lambda *p: self._report("generation", *p)  # noqa: E731
+        with self._phase("gen"):
+            if isinstance(self.rollout, static_cache.StaticCacheEngine | VLLMEngine):
+                # The engine keeps its own copy: gather, copy in, and free the gathered weights before it
+                # decodes (vLLM wakes its KV cache only then).
+                with distributed.unsharded(self.actor):
+                    self.rollout.load_weights(lora.unwrap(self.actor))
+                batch = self.rollout.generate(prompts, params, first_row=first_row, progress=report)
+            else:
+                with distributed.unsharded(self.actor):
+                    batch = self.rollout.generate(prompts, params, first_row=first_row, progress=report)
+        out = {"responses": batch.responses, "response_mask": batch.response_mask,
+               "finish_reasons": batch.finish_reasons}
+        if batch.rollout_log_probs is not None:
+            out["rollout_log_probs"] = batch.rollout_log_probs
+        return out
+
+    # ---- log-probs ----
+
+    @torch.no_grad()
+    def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b, R) log-probs of the responses under the current policy, and the entropy per position."""
+        self.actor.eval()
+        micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+        lps, ents = [], []
+        inputs = to_device({k: batch[k] for k in ("input_ids", "attention_mask")}, self.device)
+        with self._phase("old_log_prob"), self._gathered(self.actor, self.gather_once):
+            for mb in micro_batches(inputs, micro):
+                lp, ent = response_log_probs(self.actor, mb["input_ids"], mb["attention_mask"],
+                                             batch["responses"].shape[1], self.temperature, with_entropy=True,
+                                             compiled=self.compiled)
+                lps.append(lp)
+                ents.append(ent)
+            self.actor.reshard()  # FSDP keeps the root's parameters gathered after a forward without backward
+        self.actor.train()
+        # One copy to the host at the end, so the micro-batches run back to back on the device.
+        return torch.cat(lps).cpu(), torch.cat(ents).cpu()
+
+    @torch.no_grad()
+    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
+        """(b, R) log-probs of the responses under the reference model."""
+        micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        inputs = to_device({k: batch[k] for k in ("input_ids", "attention_mask")}, self.device)
+        model = self.ref if self.ref is not None else self.actor
+        reference = lora.reference_mode(self.actor) if self.ref is None else contextlib.nullcontext()
+        gathered = self._gathered(model, self.ref_gather_once if self.ref is not None else self.gather_once)
+        with self._phase("ref"), reference, gathered:
+            parts = [response_log_probs(model, mb["input_ids"], mb["attention_mask"], batch["responses"].shape[1],
+                                        self.temperature, compiled=self.compiled)[0]
+                     for mb in micro_batches(inputs, micro)]
+            model.reshard()
+        return torch.cat(parts).cpu()
+
+    # ---- the update ----
+
+    def update_actor(self, batch: Batch, mini_rows: int) -> dict[str, float]:
+        """PPO-clip update; returns this rank's actor/* metrics.
+
+        batch: this rank's rows, already in update order (the controller shuffles and gives each rank
+        an equal part of every mini-batch), holding input_ids, attention_mask, responses, response_mask,
+        advantages, and old_log_probs / ref_log_probs when used. Every `mini_rows` rows are one optimizer
+        step; FSDP averages the gradients over ranks, so a step's gradient is that of the whole
+        mini-batch's mean loss. Without old_log_probs the update is on-policy: the ratio is exactly 1
+        and only its gradient counts. With rollout_log_probs (the sampling engine's own, vllm) each token's
+        policy loss is weighted by rollout_is_weights against old_log_probs (on-policy: the detached
+        current log-probs) unless algorithm.rollout_correction.rollout_is is null; rollout/* metrics say
+        how far the two engines disagree. Rows whose `token_row` (optional) is k >= 0 keep the log-probs
+        and entropies of the first mini-batch's forward, before any optimizer step, and get log-probs
+        under the updated weights at the end, for `update_log_probs` (the token view's "before" without a
+        pass of its own, and its "after" without a call of its own).
+        """
+        self._progress = ()
+        self._update_rows = None
+        kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        a = self.cfg.actor_rollout_ref.actor
+        total = batch["responses"].shape[0]
+        response_len = batch["responses"].shape[1]
+        # Metrics stay on the device until the update ends: reading one per micro-batch would make the
+        # host wait for the device there, and it could no longer queue the next micro-batch's work.
+        sums: dict[str, torch.Tensor | float] = {}
+        counts: dict[str, int] = {}
+
+        def add(name: str, value: torch.Tensor | float) -> None:
+            if name.endswith("_max"):  # a peak over the micro-batches, not a mean
+                sums[name] = value if name not in sums else torch.maximum(torch.as_tensor(sums[name]), value)
+                counts[name] = 1
+                return
+            sums[name] = sums.get(name, 0.0) + value
+            counts[name] = counts.get(name, 0) + 1
+
+        rc = self.cfg.algorithm.rollout_correction
+
+        n_micro_total = math.ceil(total / a.ppo_micro_batch_size_per_gpu)
+        done = skipped = 0
+        batch = to_device(batch, self.device)
+        with self._phase("update_actor"):
+            for start in range(0, total, mini_rows):
+                mini = {k: v[start:start + mini_rows] for k, v in batch.items()}
+                self.optimizer.zero_grad(set_to_none=True)
+                n_micro = math.ceil(mini["responses"].shape[0] / a.ppo_micro_batch_size_per_gpu)
+                with self._gathered(self.actor, self.gather_once):
+                    for i, mb in enumerate(micro_batches(mini, a.ppo_micro_batch_size_per_gpu)):
+                        if self.gather_once:
+                            # Unreduced gradients accumulate in fp32 (FSDP's reduce dtype) until the last
+                            # micro-batch reduces them into the shards once.
+                            self.actor.set_requires_gradient_sync(i == n_micro - 1)
+                        mask = mb["response_mask"].float()
+                        log_probs, entropy = response_log_probs(
+                            self.actor, mb["input_ids"], mb["attention_mask"], response_len, self.temperature,
+                            with_entropy=True, entropy_grad=a.entropy_coeff > 0, compiled=self.compiled)
+                        old = mb.get("old_log_probs", log_probs.detach())
+                        if "token_row" in mb and start == 0:
+                            kept.append((mb["token_row"], log_probs.detach(), entropy.detach()))
+                        is_weights = None
+                        if "rollout_log_probs" in mb:
+                            weights, is_metrics = rollout_is_weights(old, mb["rollout_log_probs"], mask,
+                                                                           rc.rollout_is_threshold)
+                            is_weights = weights if rc.rollout_is else None
+                            for k, v in is_metrics.items():
+                                add(k, v)
+                        pg_loss, pg_metrics = self.policy_loss(
+                            old, log_probs, mb["advantages"], mask, clip_ratio_low=self.clip_low,
+                            clip_ratio_high=self.clip_high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
+                            rollout_is_weights=is_weights)
+                        loss = pg_loss
+                        entropy_loss = agg_loss(entropy, mask, a.loss_agg_mode)
+                        if a.entropy_coeff:
+                            loss = loss - a.entropy_coeff * entropy_loss
+                        if a.use_kl_loss:
+                            kl = kl_penalty(log_probs, mb["ref_log_probs"], a.kl_loss_type)
+                            kl_loss = agg_loss(kl, mask, a.loss_agg_mode)
+                            loss = loss + a.kl_loss_coef * kl_loss
+                            add("actor/kl_loss", kl_loss.detach())
+                            add("actor/kl_coef", a.kl_loss_coef)
+                        # Each micro-batch's mean is weighted by its share of the mini-batch, so the
+                        # accumulated gradient is that of the mini-batch's mean loss.
+                        (loss * mb["responses"].shape[0] / mini["responses"].shape[0]).backward()
+                        add("actor/pg_loss", pg_loss.detach())
+                        add("actor/entropy", entropy_loss.detach())
+                        for k, v in pg_metrics.items():
+                            add(k, v)
+                        done += 1
+                        self._report("the actor update", done, n_micro_total)
+                grad_norm = distributed.global_grad_norm(self.actor.parameters(), a.grad_clip)
+                if torch.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:
+                    skipped += 1
+                    self.optimizer.zero_grad(set_to_none=True)
+                add("actor/grad_norm", grad_norm)
+        if kept:
+            rows, lps, ents = (torch.cat(parts) for parts in zip(*kept, strict=True))
+            marked = rows >= 0
+            after = self._log_probs_after_update({k: batch[k][:len(rows)][marked] for k in ("input_ids",
+                                                                                            "attention_mask")},
+                                                 response_len)
+            self._update_rows = (rows[marked].cpu(), lps[marked].cpu(), ents[marked].cpu(), after)
+        names = list(sums)
+        values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32, device=self.device) for k in names])
+        metrics = {k: v / counts[k] for k, v in zip(names, values.tolist(), strict=True)}
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        metrics["actor/lr"] = lr
+        metrics["actor/skipped_steps"] = float(skipped)
+        metrics.update(self.memory())
+        return metrics
+
+    @torch.no_grad()
+    def _log_probs_after_update(self, inputs: Batch, response_len: int) -> torch.Tensor:
+        """(k, R) log-probs of the k rows of `inputs` under the weights the update left, on the host: the
+        token view's "after", in the update's own call. The model is gathered whole, so a rank with fewer
+        rows than another (or none) runs no collective but the gather every rank makes."""
+        self.actor.eval()
+        micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+        with distributed.unsharded(self.actor):
+            parts = [response_log_probs(self.actor, mb["input_ids"], mb["attention_mask"], response_len,
+                                        self.temperature, compiled=self.compiled)[0]
+                     for mb in micro_batches(inputs, micro)]
+        self.actor.train()
+        return torch.cat(parts).cpu() if parts else torch.empty(0, response_len)
+
+    def update_log_probs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows the last update kept (see update_actor's token_row): their token_row values (k,), their
+        log-probs and entropies before its first optimizer step (k, R), and their log-probs after its last
+        one (k, R)."""
+        if self._update_rows is None:
+            raise RuntimeError("update_log_probs: the last update_actor marked no rows with token_row")
+        return self._update_rows
+
+    def memory(self) -> dict[str, float]:
+        """Peak GPU memory of this rank in each phase since the last call and over all of them, in GiB:
+        perf/max_memory_{allocated,reserved}_gb[/<phase>] (nothing on CPU)."""
+        return self._peaks.take(overall=True)
+
+    # ---- checkpoints and export ----
+
+    def save_checkpoint(self, folder: str) -> None:
+        checkpoint.save_sharded(Path(folder), self.actor, self.optimizer, self.scheduler, self.rank)
+        if self.lora and self.rank == 0:
+            model = self.cfg.actor_rollout_ref.model
+            lora.save_settings(Path(folder), model.lora_rank, model.lora_alpha)
+
+    def load_checkpoint(self, folder: str) -> None:
+        checkpoint.load_sharded(Path(folder), self.actor, self.optimizer, self.scheduler, self.rank)
+
+    def export(self, folder: str) -> None:
+        """The current weights, gathered from every rank, as a Hugging Face folder written by rank 0."""
+        state = distributed.full_state_dict(self.actor)
+        if self.rank == 0 and self.lora:
+            model = self.cfg.actor_rollout_ref.model
+            state = lora.merge_state_dict(state, model.lora_rank, model.lora_alpha)
+        if self.rank == 0:
+            checkpoint.save_hf(state, self.actor.config, self.actor.generation_config, Path(folder))
+            (Path(folder) / "grpo_workbench.json").write_text(
+                json.dumps({"base_model": self.cfg.actor_rollout_ref.model.path}))
+
+    # ---- debugging ----
+
+    def debug_listen(self, port: int) -> tuple[str, int]:
+        """Start a debugpy server on this worker's node; returns where a client attaches."""
+        import debugpy
+
+        host = node_ip()
+        _, bound = debugpy.listen((host, port))
+        return host, bound
+
+    def debug_wait(self) -> None:
+        import debugpy
+
+        debugpy.wait_for_client()
+
+    def shutdown(self) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+

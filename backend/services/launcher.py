@@ -1,0 +1,505 @@
+"""Launching runs in the background and reading them back: everything the workbench's run pages do.
+
+A run is `python -m backend train <run>/config.yaml --run-dir <run> --quiet`, started as a detached
+process in its own session (so closing the browser or the UI's terminal changes nothing), with its
+stdout and stderr in `<run>/logs/`. The launcher writes `config.yaml` and a `queued` status.json, then
+records the child's pid and process group; from there on the trainer owns status.json, and everything
+here reads the run directory back, so runs started from the CLI show up the same way.
+
+Readers never write: a run whose process died without a final status is *reported* as failed by
+`list_runs` / `read_run`, and status.json is left as the process left it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from backend.core.config import Config, ConfigError, load_config, to_yaml, validate_config
+from backend.core.runs import (
+    NICE_ENV,
+    STATES,
+    RunDir,
+    atomic_write_text,
+    latest_checkpoint,
+    list_checkpoints,
+    new_run_dir,
+    read_metrics,
+    read_status,
+)
+from backend.core.workspace import PathError, check_name
+from backend.engine.checks import check_or_raise
+
+ACTIVE = ("queued", "running")
+GONE_ERROR = "the training process is gone (killed or crashed) without a final status"
+GONE_AFTER_S = 60.0  # without a pid to ask, a heartbeat this old means the run is dead
+# A default for stage_info's warning: a working trainer writes status about once a second, but loading
+# a large model or saving a checkpoint writes nothing for a while.
+DEFAULT_STALL_AFTER_S = 120.0
+SCORE_KEY = "critic/score/mean"
+# Runs yield the CPU to the workbench: on a 2-core machine eight runs at the UI's priority left it a
+# ninth of the CPU, and a page took 13 s to answer. The trainer lowers its own priority once its Ray and
+# workers are up (Ray gives a node 30 s to start, which a run niced from its first instant missed under
+# load); see trainer.yield_cpu.
+RUN_NICE = 10
+
+# Children this process started. A child that exits stays a zombie until its parent waits for it, and
+# os.kill(zombie, 0) succeeds, so a killed run would look alive for as long as the UI runs; polling the
+# Popen reaps it.
+_children: dict[int, subprocess.Popen] = {}
+
+
+# ---- launching ----
+
+def launch(cfg: Config, *, name: str = "", runs_root: str | Path | None = None) -> Path:
+    """Start a new run of `cfg` in the background and return its run directory.
+
+    Validates first (schema, cross-field rules, files, model); on any problem raises ConfigError and
+    creates nothing. `name` (optional) is appended to the timestamped folder name and must be letters,
+    digits, '.', '_' and '-'. The run directory goes under `runs_root` (default: cfg.trainer.runs_root).
+    """
+    return _launch(cfg, name=name, runs_root=runs_root, extra_status={})
+
+
+def _launch(cfg: Config, *, name: str, runs_root: str | Path | None, extra_status: dict[str, Any]) -> Path:
+    if name:
+        try:
+            check_name(name, "run name")
+        except PathError as e:
+            raise ConfigError([str(e)]) from None
+    validate_config(cfg)
+    check_or_raise(cfg)
+    root = Path(runs_root if runs_root is not None else cfg.trainer.runs_root)
+    run = _make_run_dir(root, name)
+    atomic_write_text(run.config, to_yaml(cfg))
+    # pid=None: write_status would otherwise record this (the UI's) pid until the child's is known.
+    run.write_status("queued", pid=None, pgid=None, created=time.time(), stage="queued",
+                     stage_started=time.time(), **extra_status)
+    _spawn(run)
+    return run.root
+
+
+def _make_run_dir(root: Path, name: str) -> RunDir:
+    # mkdir without exist_ok: two launches in the same second must not share a folder.
+    while True:
+        path = Path(os.path.abspath(new_run_dir(root, name)))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return RunDir(path).create()
+
+
+def _spawn(run: RunDir) -> int:
+    """Start the trainer for `run` detached, record its pid and process group; returns the pid."""
+    cmd = [sys.executable, "-m", "backend", "train", str(run.config), "--run-dir", str(run.root), "--quiet"]
+    run.logs.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(run.logs / "stdout.log", "ab") as out, open(run.logs / "stderr.log", "ab") as err:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=os.getcwd(),
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", NICE_ENV: str(RUN_NICE)},
+                                    start_new_session=True,
+                                    close_fds=True)
+    except OSError as e:
+        run.write_status("failed", stage="failed", finished=time.time(), error=f"could not start the run: {e}")
+        raise
+    _children[proc.pid] = proc
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:  # already exited; with start_new_session it led its own group
+        pgid = proc.pid
+    # Keep whatever state the child may already have written; only add who it is.
+    state = (read_status(run.root) or {}).get("state", "queued")
+    run.write_status(state if state in STATES else "queued", pid=proc.pid, pgid=pgid)
+    return proc.pid
+
+
+def resume(run_dir: str | Path, *, overrides: Sequence[str] = ()) -> Path:
+    """Continue a run in its own directory from its last checkpoint (trainer.resume_mode=auto).
+
+    `overrides` are extra key.path=value settings, e.g. a higher trainer.total_training_steps to train
+    a finished run further. config.yaml is rewritten with them, since it is the config the run uses.
+    Raises ConfigError if the run is still queued or running, or the config no longer validates.
+    """
+    run = RunDir(Path(os.path.abspath(run_dir)))
+    status = read_status(run.root) or {}
+    state, _, _ = _effective_state(status, time.time(), GONE_AFTER_S)
+    if state in ACTIVE:
+        raise ConfigError([f"run {run.root.name} is still {state} (pid {status.get('pid')}): stop it before "
+                           "resuming it"])
+    cfg = load_config(run.config, ["trainer.resume_mode=auto", *overrides])
+    check_or_raise(cfg)
+    atomic_write_text(run.config, to_yaml(cfg))
+    if latest_checkpoint(run.root) is None:
+        # Nothing to continue from: the run starts over, so the old attempt's lines would repeat steps.
+        run.truncate_metrics(-1)
+    run.write_status("queued", pid=None, pgid=None, stage="queued", stage_started=time.time(), error=None,
+                     traceback=None, finished=None, note=None)
+    _spawn(run)
+    return run.root
+
+
+def fork(run_dir: str | Path, checkpoint: str | Path, cfg: Config, name: str = "", *,
+         runs_root: str | Path | None = None) -> Path:
+    """Start a NEW run from a checkpoint of another run, with a (possibly edited) config.
+
+    `checkpoint` is a checkpoint folder, or a name such as "step_20" inside run_dir/checkpoints.
+    The new run goes next to its parent (or under `runs_root`) and its status.json records
+    "forked_from": {"run": parent's folder name, "checkpoint": checkpoint path}. `cfg` is not modified.
+    """
+    run_dir = Path(run_dir)
+    ckpt = Path(checkpoint)
+    if len(ckpt.parts) == 1 and (run_dir / "checkpoints" / ckpt).is_dir():
+        ckpt = run_dir / "checkpoints" / ckpt
+    cfg = copy.deepcopy(cfg)
+    cfg.trainer.resume_mode = "resume_path"
+    cfg.trainer.resume_from_path = str(ckpt)
+    return _launch(cfg, name=name, runs_root=runs_root if runs_root is not None else run_dir.parent,
+                   extra_status={"forked_from": {"run": run_dir.name, "checkpoint": str(ckpt)}})
+
+
+# ---- stopping and deleting ----
+
+def stop(run_dir: str | Path, grace_s: float = 10.0) -> str:
+    """Stop a run: SIGTERM to its whole process group, SIGKILL after `grace_s` seconds if it lingers.
+
+    The trainer answers SIGTERM by writing state "stopped"; if the process ended without a final state
+    (killed, or it never got that far) "stopped" is written here with a note. Returns the final state;
+    a run that already ended is left alone and its state returned.
+    """
+    run = RunDir(run_dir)
+    status = read_status(run.root) or {}
+    state = status.get("state", "unknown")
+    if state not in ACTIVE:
+        return state
+    host = status.get("host")
+    if host and host != socket.gethostname():
+        raise ValueError(f"run {run.root.name} runs on host {host}, not here: stop it there")
+    pid, pgid = status.get("pid"), status.get("pgid")
+    killed = False
+    if pid or pgid:
+        _signal(pid, pgid, signal.SIGTERM)
+        if not _wait_gone(pid, pgid, grace_s):
+            _signal(pid, pgid, signal.SIGKILL)
+            killed = True
+            _wait_gone(pid, pgid, 10.0)
+    status = read_status(run.root) or {}
+    # A dashboard read between the process's end and this line may have recorded it as gone; it was stopped.
+    if status.get("state", "queued") in ACTIVE or status.get("error") == GONE_ERROR:
+        note = (f"did not stop within {grace_s:g} s of SIGTERM and was killed" if killed
+                else "the process ended without writing its final status")
+        status = run.write_status("stopped", stage="stopped", finished=time.time(), note=f"stopped: {note}",
+                                  error=None)
+    return status["state"]
+
+
+def _signal(pid: int | None, pgid: int | None, sig: int) -> None:
+    try:
+        # Only a group the launcher created is signalled as a group: a CLI run shares its terminal's
+        # group, and killing that would take the user's shell with it.
+        if pgid:
+            os.killpg(pgid, sig)
+        elif pid:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_gone(pid: int | None, pgid: int | None, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not (_group_alive(pgid) if pgid else _alive(pid)):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def delete(run_dir: str | Path, runs_root: str | Path) -> None:
+    """Stop the run if it is running, then remove its folder. Refuses (ValueError) a folder that is not
+    inside `runs_root`; a folder already gone is not an error."""
+    root = Path(runs_root).resolve()
+    target = Path(run_dir).resolve()
+    if root not in target.parents:
+        raise ValueError(f"{run_dir} is not inside the runs folder {root}: refusing to delete it")
+    if not target.exists():
+        return
+    status = read_status(target) or {}
+    if _effective_state(status, time.time(), GONE_AFTER_S)[0] in ACTIVE:
+        stop(target)
+    shutil.rmtree(target)
+
+
+# ---- reading runs back ----
+
+@dataclass
+class RunSummary:
+    """One row of the runs table. `state` is one of runs.STATES, or "unknown" without a status.json."""
+
+    name: str
+    path: Path
+    state: str
+    step: int
+    total_steps: int | None
+    score: float | None           # the last critic/score/mean
+    started: float | None         # epoch seconds
+    duration_s: float | None
+    error: str | None
+    stage: str
+    checkpoints: list[str] = field(default_factory=list)  # folder names, oldest first: "step_2", ...
+
+
+def list_runs(runs_root: str | Path, *, now: float | None = None,
+              stale_after_s: float = GONE_AFTER_S) -> list[RunSummary]:
+    """Every run directory under `runs_root`, newest first. Tolerates runs deleted or half-written
+    while listing. A queued/running run whose process is gone is reported "failed" (see
+    `effective_state`); nothing is written."""
+    root = Path(runs_root)
+    now = time.time() if now is None else now
+    try:
+        folders = [p for p in root.iterdir() if not p.name.startswith(".")]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    _reap()
+    found: list[tuple[float, RunSummary]] = []
+    for folder in folders:
+        try:
+            summary, order = _summarize(folder, now, stale_after_s)
+        except OSError:  # deleted underneath us
+            continue
+        if summary is not None:
+            found.append((order, summary))
+    return [s for _, s in sorted(found, key=lambda x: x[0], reverse=True)]
+
+
+def _summarize(folder: Path, now: float, stale_after_s: float) -> tuple[RunSummary | None, float]:
+    if not folder.is_dir() or not ((folder / "status.json").exists() or (folder / "config.yaml").exists()):
+        return None, 0.0
+    status = read_status(folder) or {}
+    state, error, gone = _effective_state(status, now, stale_after_s)
+    if gone:
+        _record_gone(folder, status)
+    started = status.get("started") or status.get("created")
+    end = status.get("finished") if state not in ACTIVE else now
+    if gone or end is None:
+        end = status.get("heartbeat")
+    last = _last_metrics(folder)
+    step = status.get("step")
+    summary = RunSummary(
+        name=folder.name, path=folder, state=state,
+        step=int(step if step is not None else last.get("step", 0)),
+        total_steps=status.get("total_steps"),
+        score=last.get(SCORE_KEY),
+        started=started,
+        duration_s=max(0.0, end - started) if started and end else None,
+        error=error,
+        stage=state if gone or not status.get("stage") else status["stage"],
+        checkpoints=[p.name for p in list_checkpoints(folder)],
+    )
+    return summary, float(started or folder.stat().st_mtime)
+
+
+def _last_metrics(folder: Path, chunk: int = 1 << 16) -> dict:
+    """The last metrics line that has a score (else the last whole line), read from the file's end so
+    listing many long runs stays cheap."""
+    path = folder / "metrics.jsonl"
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - chunk))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return {}
+    if size > chunk:
+        lines = lines[1:]  # the first line of a chunk is probably cut
+    last: dict = {}
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn line of a run killed mid-write
+        if not isinstance(row, dict):
+            continue
+        last = last or row
+        if row.get(SCORE_KEY) is not None:
+            return {**row, "step": last.get("step", row.get("step"))}
+    return last
+
+
+def effective_state(status: dict | None, now: float | None = None,
+                    stale_after_s: float = GONE_AFTER_S) -> tuple[str, str | None]:
+    """(state, error) as the run really is. status.json says queued/running until the trainer writes a
+    final state; a process killed hard never does. Such a run is "failed" with GONE_ERROR when its pid
+    is no longer alive on this host, or, with no pid to ask (another host, or not yet recorded), when
+    its heartbeat is older than `stale_after_s`."""
+    state, error, _ = _effective_state(status or {}, time.time() if now is None else now, stale_after_s)
+    return state, error
+
+
+def _record_gone(folder: Path, status: dict) -> None:
+    """A run whose process died on this machine without a final state gets one on disk (`failed`, with
+    GONE_ERROR), so status.json tells every later reader and tool what the dashboard shows. Only for a
+    pid checked dead here: a silent run of another host may be alive behind a slow shared disk."""
+    if status.get("host") != socket.gethostname():
+        return
+    current = read_status(folder) or {}
+    if current.get("pid") != status.get("pid") or current.get("state") not in ACTIVE:
+        return  # resumed or finished meanwhile
+    with contextlib.suppress(OSError):  # a read-only or full disk: readers still derive it from the dead pid
+        RunDir(folder).write_status("failed", error=GONE_ERROR, stage="failed", finished=time.time())
+
+
+def _effective_state(status: dict, now: float, stale_after_s: float) -> tuple[str, str | None, bool]:
+    state = status.get("state") or "unknown"
+    if state not in ACTIVE:
+        return state, status.get("error"), False
+    pid = status.get("pid")
+    if pid and status.get("host") == socket.gethostname():
+        gone = not _alive(pid)
+    else:
+        gone = now - float(status.get("heartbeat") or 0.0) > stale_after_s
+    return ("failed", GONE_ERROR, True) if gone else (state, status.get("error"), False)
+
+
+def read_run(run_dir: str | Path, *, now: float | None = None, stale_after_s: float = GONE_AFTER_S) -> dict:
+    """Everything the run page shows: {"name", "path", "status" (status.json, with the state and error
+    as `effective_state` sees them), "config" (config.yaml as a dict, or None), "metrics" (list of
+    dicts), "checkpoints" (folder names, oldest first)}. Missing files read as empty."""
+    root = Path(run_dir)
+    status = read_status(root) or {}
+    state, error, gone = _effective_state(status, time.time() if now is None else now, stale_after_s)
+    if gone:
+        _record_gone(root, status)
+        status = {**status, "state": state, "error": error, "stage": state}
+    try:
+        metrics = read_metrics(root)
+    except OSError:
+        metrics = []
+    return {"name": root.name, "path": root, "status": status, "config": _read_yaml(root / "config.yaml"),
+            "metrics": metrics, "checkpoints": [p.name for p in list_checkpoints(root)]}
+
+
+def _read_yaml(path: Path) -> dict | None:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def log_tail(run_dir: str | Path, lines: int = 200) -> str:
+    """The last `lines` lines of what the run printed: logs/train.log, then what reached stdout.log or
+    stderr.log after that log closed (the final "done:" line, the traceback of a crash). Without
+    train.log (the run failed before opening it): the tails of stdout.log and stderr.log."""
+    logs = Path(run_dir) / "logs"
+    train = _tail_lines(logs / "train.log", lines)
+    stdout, stderr = _tail_lines(logs / "stdout.log", lines), _tail_lines(logs / "stderr.log", lines)
+    if train:
+        seen = set(_tail_lines(logs / "train.log", 4 * lines))
+        return "\n".join([*train, *_after(stdout, seen), *_after(stderr, seen)][-lines:])
+    parts = []
+    if stdout:
+        parts += ["---- stdout.log ----", *stdout]
+    if stderr:
+        parts += ["---- stderr.log ----", *stderr]
+    return "\n".join(parts[-lines:]) if lines > 0 else ""
+
+
+def _after(lines: list[str], seen: set[str]) -> list[str]:
+    """The non-empty lines after the last one that also went to train.log."""
+    i = len(lines)
+    while i > 0 and lines[i - 1] not in seen:
+        i -= 1
+    return [line for line in lines[i:] if line.strip()]
+
+
+def _tail_lines(path: Path, n: int, block: int = 1 << 14) -> list[str]:
+    """The last n lines of a text file, reading backwards in blocks (logs can grow large)."""
+    if n <= 0:
+        return []
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            data, pos = b"", end
+            while pos > 0 and data.count(b"\n") <= n:
+                step = min(block, pos)
+                pos -= step
+                f.seek(pos)
+                data = f.read(step) + data
+    except OSError:
+        return []
+    return data.decode("utf-8", errors="replace").splitlines()[-n:]
+
+
+# ---- what the dashboard computes ----
+
+def stage_info(status: dict, now: float, stall_after_s: float) -> tuple[str, float, bool]:
+    """(what the run is doing, seconds since that stage began, stalled). Stalled means the run says it
+    is running but has not written status.json (its heartbeat) for more than `stall_after_s` seconds:
+    alive but stuck, or gone on a host this machine cannot ask."""
+    state = status.get("state") or "unknown"
+    stage = status.get("stage") or state
+    began = status.get("stage_started") or status.get("started") or status.get("created") \
+        or status.get("heartbeat") or now
+    heartbeat = status.get("heartbeat")
+    stalled = state == "running" and heartbeat is not None and now - heartbeat > stall_after_s
+    return stage, max(0.0, now - began), stalled
+
+
+# ---- processes ----
+
+def _reap() -> None:
+    for pid, proc in list(_children.items()):
+        if proc.poll() is not None:
+            _children.pop(pid, None)
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    proc = _children.get(pid)
+    if proc is not None and proc.poll() is not None:
+        _children.pop(pid, None)
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return not _is_zombie(pid)
+
+
+def _group_alive(pgid: int) -> bool:
+    _reap()
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member owned by someone else still counts
+        return True
+    return True
+
+
+def _is_zombie(pid: int) -> bool:
+    """A dead process its parent has not waited for yet (Linux; elsewhere assume not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]
