@@ -67,3 +67,7 @@ def tiny_overrides(sample_sets: dict[str, Path], model: str = "tiny-qwen3", **ex
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+# The browser tests' fixtures (the workbench served on localhost, Chromium, a page of it), for any test file.
+from .browser import app_url, browser, finished_run, page, workspace  # noqa: E402, F401

@@ -1,196 +1,37 @@
-"""The real workbench in headless Chromium: `streamlit run app/main.py` on a free localhost port, in a
-fresh workspace folder, driven by Playwright against Debian's /usr/bin/chromium. Screenshots of each
-page land in docs/screenshots/."""
+"""The real workbench in headless Chromium (tests/browser.py starts it and drives it): each page used as a
+user would. Screenshots of each page land in docs/screenshots/."""
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from backend.core.runs import read_metrics
-from backend.services.launcher import list_runs, read_run, stop
+from backend.services.launcher import list_runs, read_run
 
-from .conftest import REPO
-
-CHROMIUM = "/usr/bin/chromium"
-SHOTS = REPO / "docs" / "screenshots"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"]
+from .browser import (
+    CHROMIUM,
+    chart_points,
+    expect,
+    fresh_workspace,
+    go,
+    key,
+    launch_from_runs_page,
+    open_page,
+    select_option,
+    set_text,
+    settle,
+    shot,
+    start_server,
+    stop_runs_and_server,
+    use_tiny_config,
+)
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed "
                                 "(make test installs it with apt-get)")
-
-TINY_YAML = """\
-data:
-  train_files: [sample_data/arithmetic_train.parquet]
-  val_files: [sample_data/arithmetic_val.parquet]
-  train_batch_size: 2
-  val_max_samples: 4
-  max_prompt_length: 128
-  max_response_length: 8
-actor_rollout_ref:
-  model:
-    path: tiny-qwen3
-  actor:
-    optim:
-      lr: 0.001
-    ppo_mini_batch_size: 2
-    ppo_micro_batch_size_per_gpu: 4
-  rollout:
-    n: 4
-trainer:
-  total_training_steps: {steps}
-  save_freq: 2
-  test_freq: 0
-  device: cpu
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("workspace")
-    for folder in ("sample_data", "configs", ".streamlit"):
-        shutil.copytree(REPO / folder, root / folder, ignore=shutil.ignore_patterns("saved"))
-    return root
-
-
-def start_server(workspace: Path) -> tuple[subprocess.Popen, str]:
-    """`streamlit run app/main.py` on a free port with `workspace` as the workbench's home; waits until it answers."""
-    port = free_port()
-    env = {**os.environ, "GRPO_WB_HOME": str(workspace)}
-    with open(workspace / "streamlit.log", "a") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "streamlit", "run", str(REPO / "app/main.py"), "--server.port", str(port),
-             "--server.headless", "true", "--server.address", "127.0.0.1"],
-            cwd=workspace, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                return server, url
-        except OSError:
-            time.sleep(0.5)
-    server.kill()
-    pytest.fail("streamlit did not start:\n" + (workspace / "streamlit.log").read_text())
-
-
-def stop_runs_and_server(workspace: Path, server: subprocess.Popen) -> None:
-    for run in list_runs(workspace / "runs"):
-        if run.state in ("queued", "running"):
-            stop(Path(run.path), grace_s=5)
-    server.terminate()
-    server.wait(timeout=20)
-
-
-@pytest.fixture(scope="module")
-def app_url(workspace):
-    server, url = start_server(workspace)
-    yield url
-    stop_runs_and_server(workspace, server)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
-
-
-def open_page(browser, url: str, timeout_s: float = 60):
-    """A new browser context on the workbench, once its page navigation has drawn."""
-    context = browser.new_context(viewport={"width": 1400, "height": 2200})
-    pg = context.new_page()
-    pg.set_default_timeout(timeout_s * 1000)
-    pg.goto(url)
-    pg.wait_for_selector("[data-testid='stSidebarNav']")
-    return pg
-
-
-@pytest.fixture
-def page(browser, app_url):
-    pg = open_page(browser, app_url)
-    yield pg
-    pg.context.close()
-
-
-def expect(locator):
-    from playwright.sync_api import expect as playwright_expect
-
-    return playwright_expect(locator)
-
-
-def key(name: str) -> str:
-    """Streamlit gives every widget with key=K a container with class st-key-K."""
-    return f".st-key-{name}"
-
-
-def settle(page) -> None:
-    """Wait until Streamlit has finished the current script run."""
-    page.wait_for_timeout(300)
-    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')",
-                           timeout=60_000)
-
-
-def go(page, title: str) -> None:
-    page.locator("[data-testid='stSidebarNav'] a", has_text=title).first.click()
-    settle(page)
-
-
-def set_text(page, widget_key: str, text: str) -> None:
-    box = page.locator(f"{key(widget_key)} textarea, {key(widget_key)} input").first
-    box.fill(text)
-    # A text area commits on Ctrl+Enter, a text input on Enter.
-    box.press("Control+Enter" if box.evaluate("e => e.tagName") == "TEXTAREA" else "Enter")
-    settle(page)
-
-
-def use_tiny_config(page, steps: int) -> None:
-    """Put the tiny model's config, `steps` steps long, into the Config page's editor and apply it, until the
-    form's fields show it: a click that lands while a refresh redraws the page can be dropped, and a run
-    launched then trains the default config (SmolLM2, seen once in a fresh clone's run)."""
-    model = page.locator(f"{key('cfg_actor_rollout_ref__model__path')} input")
-    total = page.locator(f"{key('cfg_trainer__total_training_steps')} input")
-    for _ in range(3):
-        set_text(page, "config_yaml", TINY_YAML.format(steps=steps))
-        page.locator(f"{key('config_apply_yaml')} button").click()
-        settle(page)
-        if model.input_value() == "tiny-qwen3" and total.input_value() == str(steps):
-            return
-    raise AssertionError(f"the Config page did not take the tiny config: model {model.input_value()!r}, "
-                         f"steps {total.input_value()!r}")
-
-
-def launch_from_runs_page(page, name: str) -> None:
-    set_text(page, "launch_name", name)
-    page.locator(f"{key('launch_button')} button").click()
-    settle(page)
-    # a loaded machine (the load test launches eight runs) can take well over expect's 5 s to redraw
-    expect(page.get_by_text(re.compile(f"Launched .*{name}$")).first).to_be_visible(timeout=60_000)
-
-
-def shot(page, name: str) -> None:
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.locator("h1").first.scroll_into_view_if_needed()
-    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
 
 def test_config_page_shows_the_engines_validation_next_to_an_edited_field(page):
@@ -219,10 +60,6 @@ def test_data_page_previews_a_parquet_file_and_runs_a_query(page):
     settle(page)
     assert not Path("/tmp/stolen.csv").exists()
     shot(page, "data")
-
-
-def chart_points(page) -> int:
-    return page.locator(".js-plotly-plot").first.locator(".scatterlayer .points path").count()
 
 
 def test_launch_watch_stop_and_fork_a_tiny_run(page, workspace):
@@ -270,27 +107,6 @@ def test_launch_watch_stop_and_fork_a_tiny_run(page, workspace):
     stop(Path(forks[0].path), grace_s=5)
 
 
-@pytest.fixture(scope="module")
-def finished_run(workspace, sample_sets) -> Path:
-    """A finished 3-step tiny-model run inside the app's workspace, with token logs and checkpoints."""
-    from backend.core.config import load_config
-    from backend.engine.trainer import Trainer
-
-    from .conftest import tiny_overrides
-
-    run_dir = workspace / "runs" / "20260101-000000-tiny"
-    cfg = load_config(None, tiny_overrides(sample_sets, **{"trainer.total_training_steps": 3,
-                                                          "trainer.save_freq": 1}))
-    Trainer(cfg, run_dir, show_progress=False).train()
-    return run_dir
-
-
-def select_option(page, widget_key: str, text: str) -> None:
-    page.locator(f"{key(widget_key)} input[role='combobox']").click()
-    page.get_by_role("option").filter(has_text=text).first.click()
-    settle(page)
-
-
 def test_rollouts_of_a_finished_run_filter_and_token_view(page, finished_run):
     go(page, "Rollouts")
     select_option(page, "rollouts_run", finished_run.name)
@@ -331,9 +147,7 @@ def test_ab_compare_of_two_tiny_models_and_export_of_a_checkpoint(page, finished
 
 
 def test_a_run_outlives_a_restart_of_the_workbench_and_the_new_one_shows_it(browser, tmp_path):
-    home = tmp_path / "home"
-    for folder in ("sample_data", "configs", ".streamlit"):
-        shutil.copytree(REPO / folder, home / folder, ignore=shutil.ignore_patterns("saved"))
+    home = fresh_workspace(tmp_path / "home")
     server, url = start_server(home)
     try:
         page = open_page(browser, url)
@@ -379,9 +193,7 @@ def test_eight_runs_launched_at_once_all_finish_while_four_tabs_watch_them(brows
     """Load: 8 tiny runs launched from the UI back to back, the dashboard open on them in 4 tabs. Every run
     must finish with every metrics line; how long each page takes to answer is printed (a report, not a
     pass/fail timing: this machine has 2 cores shared by 8 trainers, 8 Rays and the browser)."""
-    home = tmp_path / "home"
-    for folder in ("sample_data", "configs", ".streamlit"):
-        shutil.copytree(REPO / folder, home / folder, ignore=shutil.ignore_patterns("saved"))
+    home = fresh_workspace(tmp_path / "home")
     steps = 2
     server, url = start_server(home)
     timings: list[float] = []

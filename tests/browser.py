@@ -1,0 +1,220 @@
+"""What the browser tests share: the real workbench (`streamlit run app/main.py` on a free localhost port, in
+a fresh workspace folder) driven by Playwright against Debian's /usr/bin/chromium, and the steps a user
+takes on its pages. The fixtures reach every test through tests/conftest.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from backend.services.launcher import list_runs, stop
+
+REPO = Path(__file__).resolve().parents[1]
+
+CHROMIUM = "/usr/bin/chromium"
+SHOTS = REPO / "docs" / "screenshots"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"]
+
+TINY_YAML = """\
+data:
+  train_files: [sample_data/arithmetic_train.parquet]
+  val_files: [sample_data/arithmetic_val.parquet]
+  train_batch_size: 2
+  val_max_samples: 4
+  max_prompt_length: 128
+  max_response_length: 8
+actor_rollout_ref:
+  model:
+    path: tiny-qwen3
+  actor:
+    optim:
+      lr: 0.001
+    ppo_mini_batch_size: 2
+    ppo_micro_batch_size_per_gpu: 4
+  rollout:
+    n: 4
+trainer:
+  total_training_steps: {steps}
+  save_freq: 2
+  test_freq: 0
+  device: cpu
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fresh_workspace(root: Path) -> Path:
+    """A workbench home at `root` with the repository's sample data, presets and Streamlit settings."""
+    for folder in ("sample_data", "configs", ".streamlit"):
+        shutil.copytree(REPO / folder, root / folder, ignore=shutil.ignore_patterns("saved"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    return fresh_workspace(tmp_path_factory.mktemp("workspace"))
+
+
+def start_server(workspace: Path) -> tuple[subprocess.Popen, str]:
+    """`streamlit run app/main.py` on a free port with `workspace` as the workbench's home; waits until it answers."""
+    port = free_port()
+    env = {**os.environ, "GRPO_WB_HOME": str(workspace)}
+    with open(workspace / "streamlit.log", "a") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "streamlit", "run", str(REPO / "app/main.py"), "--server.port", str(port),
+             "--server.headless", "true", "--server.address", "127.0.0.1"],
+            cwd=workspace, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                return server, url
+        except OSError:
+            time.sleep(0.5)
+    server.kill()
+    pytest.fail("streamlit did not start:\n" + (workspace / "streamlit.log").read_text())
+
+
+def stop_runs_and_server(workspace: Path, server: subprocess.Popen) -> None:
+    for run in list_runs(workspace / "runs"):
+        if run.state in ("queued", "running"):
+            stop(Path(run.path), grace_s=5)
+    server.terminate()
+    server.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def app_url(workspace):
+    server, url = start_server(workspace)
+    yield url
+    stop_runs_and_server(workspace, server)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def open_page(browser, url: str, timeout_s: float = 60):
+    """A new browser context on the workbench, once its page navigation has drawn."""
+    context = browser.new_context(viewport={"width": 1400, "height": 2200})
+    pg = context.new_page()
+    pg.set_default_timeout(timeout_s * 1000)
+    pg.goto(url)
+    pg.wait_for_selector("[data-testid='stSidebarNav']")
+    return pg
+
+
+@pytest.fixture
+def page(browser, app_url):
+    pg = open_page(browser, app_url)
+    yield pg
+    pg.context.close()
+
+
+def expect(locator):
+    from playwright.sync_api import expect as playwright_expect
+
+    return playwright_expect(locator)
+
+
+def key(name: str) -> str:
+    """Streamlit gives every widget with key=K a container with class st-key-K."""
+    return f".st-key-{name}"
+
+
+def settle(page) -> None:
+    """Wait until Streamlit has finished the current script run."""
+    page.wait_for_timeout(300)
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')",
+                           timeout=60_000)
+
+
+def go(page, title: str) -> None:
+    page.locator("[data-testid='stSidebarNav'] a", has_text=title).first.click()
+    settle(page)
+
+
+def set_text(page, widget_key: str, text: str) -> None:
+    box = page.locator(f"{key(widget_key)} textarea, {key(widget_key)} input").first
+    box.fill(text)
+    # A text area commits on Ctrl+Enter, a text input on Enter.
+    box.press("Control+Enter" if box.evaluate("e => e.tagName") == "TEXTAREA" else "Enter")
+    settle(page)
+
+
+def use_tiny_config(page, steps: int) -> None:
+    """Put the tiny model's config, `steps` steps long, into the Config page's editor and apply it, until the
+    form's fields show it: a click that lands while a refresh redraws the page can be dropped, and a run
+    launched then trains the default config (SmolLM2, seen once in a fresh clone's run)."""
+    model = page.locator(f"{key('cfg_actor_rollout_ref__model__path')} input")
+    total = page.locator(f"{key('cfg_trainer__total_training_steps')} input")
+    for _ in range(3):
+        set_text(page, "config_yaml", TINY_YAML.format(steps=steps))
+        page.locator(f"{key('config_apply_yaml')} button").click()
+        settle(page)
+        if model.input_value() == "tiny-qwen3" and total.input_value() == str(steps):
+            return
+    raise AssertionError(f"the Config page did not take the tiny config: model {model.input_value()!r}, "
+                         f"steps {total.input_value()!r}")
+
+
+def launch_from_runs_page(page, name: str) -> None:
+    set_text(page, "launch_name", name)
+    page.locator(f"{key('launch_button')} button").click()
+    settle(page)
+    # a loaded machine (the load test launches eight runs) can take well over expect's 5 s to redraw
+    expect(page.get_by_text(re.compile(f"Launched .*{name}$")).first).to_be_visible(timeout=60_000)
+
+
+def shot(page, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.locator("h1").first.scroll_into_view_if_needed()
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def chart_points(page) -> int:
+    return page.locator(".js-plotly-plot").first.locator(".scatterlayer .points path").count()
+
+
+@pytest.fixture(scope="module")
+def finished_run(workspace, sample_sets) -> Path:
+    """A finished 3-step tiny-model run inside the app's workspace, with token logs and checkpoints."""
+    from backend.core.config import load_config
+    from backend.engine.trainer import Trainer
+
+    from .conftest import tiny_overrides
+
+    run_dir = workspace / "runs" / "20260101-000000-tiny"
+    cfg = load_config(None, tiny_overrides(sample_sets, **{"trainer.total_training_steps": 3,
+                                                          "trainer.save_freq": 1}))
+    Trainer(cfg, run_dir, show_progress=False).train()
+    return run_dir
+
+
+def select_option(page, widget_key: str, text: str) -> None:
+    page.locator(f"{key(widget_key)} input[role='combobox']").click()
+    page.get_by_role("option").filter(has_text=text).first.click()
+    settle(page)
+
+
