@@ -103,18 +103,20 @@ def test_masked_whiten_without_mean_shift_only_rescales():
 # ---- agg_loss ----
 # =====================================================================================================
 
-# seq 0 has 3 valid tokens (sum 6, mean 2), seq 1 has 2 (sum 9, mean 4.5); T = 4.
-AGG_LOSS = [[1.0, 2.0, 3.0, BIG], [4.0, 5.0, BIG, BIG]]
-AGG_MASK = [[1, 1, 1, 0], [1, 1, 0, 0]]
+# seq 0 has 3 valid tokens, one after a masked-out position (sum 6, mean 2); seq 1 has 2 (sum 9, mean
+# 4.5); T = 4.
+AGG_LOSS = [[1.0, BIG, 2.0, 3.0], [4.0, 5.0, BIG, BIG]]
+AGG_MASK = [[1, 0, 1, 1], [1, 1, 0, 0]]
 AGG_EXPECTED = {
     "token-mean": 15.0 / 5.0,  # 3.0
+    "token-sum": 15.0,
     "seq-mean-token-sum": (6.0 + 9.0) / 2.0,  # 7.5
     "seq-mean-token-mean": (2.0 + 4.5) / 2.0,  # 3.25
-    "seq-mean-token-sum-norm": 15.0 / 4.0,  # 3.75, divided by the max length T, not by token count
+    "seq-mean-token-sum-norm": (6.0 + 9.0) / 2.0 / 4.0,  # 1.875: the row mean, divided by the width T
 }
 
 
-def test_loss_agg_modes_lists_exactly_the_four_modes():
+def test_loss_agg_modes_lists_exactly_the_five_modes():
     assert set(LOSS_AGG_MODES) == set(AGG_EXPECTED)
 
 
@@ -125,7 +127,7 @@ def test_agg_loss_matches_hand_computed_value_on_sequences_of_different_lengths(
 
 @pytest.mark.parametrize("mode", sorted(AGG_EXPECTED))
 def test_agg_loss_accepts_a_bool_mask_and_ignores_inf_and_nan_padding(mode):
-    loss = t([[1.0, 2.0, 3.0, float("inf")], [4.0, 5.0, float("nan"), -float("inf")]])
+    loss = t([[1.0, float("inf"), 2.0, 3.0], [4.0, 5.0, float("nan"), -float("inf")]])
     assert_close(agg_loss(loss, torch.tensor(AGG_MASK, dtype=torch.bool), mode), AGG_EXPECTED[mode])
 
 
@@ -148,13 +150,98 @@ def test_agg_loss_of_an_all_padding_batch_is_zero_with_finite_gradient(mode):
 def test_agg_loss_token_mean_gradient_is_one_over_valid_token_count_and_zero_at_padding():
     loss = t(AGG_LOSS).requires_grad_()
     agg_loss(loss, t(AGG_MASK), "token-mean").backward()
-    assert_close(loss.grad, [[0.2, 0.2, 0.2, 0.0], [0.2, 0.2, 0.0, 0.0]])
+    assert_close(loss.grad, [[0.2, 0.0, 0.2, 0.2], [0.2, 0.2, 0.0, 0.0]])
+
+
+def test_seq_mean_token_sum_norm_divides_by_non_empty_rows_and_the_padded_width():
+    # Three rows, one empty: (6 + 9) / 2 non-empty rows / width 4, not 15 / 4 (every row's sum over T).
+    loss = t([*AGG_LOSS, [BIG, BIG, BIG, BIG]])
+    mask = t([*AGG_MASK, [0, 0, 0, 0]])
+    assert_close(agg_loss(loss, mask, "seq-mean-token-sum-norm"), 15.0 / 2 / 4)
+
+
+def test_seq_mean_token_sum_norm_divides_by_the_loss_scale_factor_when_given():
+    out = agg_loss(t(AGG_LOSS), t(AGG_MASK), "seq-mean-token-sum-norm", loss_scale_factor=3.0)
+    assert_close(out, 15.0 / 2 / 3)  # 2.5
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_loss_scale_factor_changes_only_seq_mean_token_sum_norm(mode):
+    out = agg_loss(t(AGG_LOSS), t(AGG_MASK), mode, loss_scale_factor=3.0)
+    assert_close(out, AGG_EXPECTED[mode])
+
+
+@pytest.mark.parametrize("factor", [0.0, -1.0])
+def test_agg_loss_rejects_a_non_positive_loss_scale_factor(factor):
+    with pytest.raises(ValueError, match=f"loss_scale_factor={factor} must be > 0"):
+        agg_loss(t(AGG_LOSS), t(AGG_MASK), "seq-mean-token-sum-norm", loss_scale_factor=factor)
 
 
 def test_agg_loss_unknown_mode_raises_and_lists_known_modes():
-    known = "token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm"
+    known = "token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm"
     with pytest.raises(ValueError, match=known):
         agg_loss(t(AGG_LOSS), t(AGG_MASK), "sum")
+
+
+# A mini-batch of four rows, T = 4:
+#   row 0: 3 tokens (1, 2, 3)      sum 6   mean 2
+#   row 1: 2 tokens, a gap between sum 10  mean 5
+#   row 2: empty
+#   row 3: 4 tokens (2, 2, 2, 2)   sum 8   mean 2
+# 9 tokens, total 24, 3 non-empty rows. Split into micro-batches rows {0, 1} (5 tokens) and {2, 3}
+# (4 tokens), or over two ranks with one row a micro-batch.
+MINI_LOSS = [[1.0, 2.0, 3.0, BIG], [4.0, BIG, 6.0, BIG], [BIG, BIG, BIG, BIG], [2.0, 2.0, 2.0, 2.0]]
+MINI_MASK = [[1, 1, 1, 0], [1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
+MINI_EXPECTED = {
+    "token-mean": 24.0 / 9.0,
+    "token-sum": 24.0,
+    "seq-mean-token-sum": 24.0 / 3.0,  # 8
+    "seq-mean-token-mean": (2.0 + 5.0 + 2.0) / 3.0,  # 3
+    "seq-mean-token-sum-norm": 24.0 / 3.0 / 4.0,  # 2
+}
+GLOBAL_COUNTS = {"num_tokens": 9, "num_seqs": 3}
+
+
+@pytest.mark.parametrize("mode", sorted(MINI_EXPECTED))
+def test_agg_loss_of_the_whole_mini_batch_matches_the_hand_computed_value(mode):
+    assert_close(agg_loss(t(MINI_LOSS), t(MINI_MASK), mode), MINI_EXPECTED[mode])
+
+
+@pytest.mark.parametrize("mode", sorted(MINI_EXPECTED))
+def test_micro_batches_with_global_counts_add_up_to_the_mini_batch_loss(mode):
+    loss, mask = t(MINI_LOSS), t(MINI_MASK)
+    parts = [agg_loss(loss[rows], mask[rows], mode, **GLOBAL_COUNTS) for rows in (slice(0, 2), slice(2, 4))]
+    assert_close(parts[0] + parts[1], MINI_EXPECTED[mode])
+
+
+@pytest.mark.parametrize("mode", sorted(MINI_EXPECTED))
+def test_micro_batches_on_two_ranks_with_global_counts_add_up_to_the_mini_batch_loss(mode):
+    # Rank 0 holds rows 0 and 1, rank 1 rows 2 and 3, one row a micro-batch; the engine's all-reduce of the
+    # gradients adds the ranks' parts (FSDP averages, so it multiplies by the world size first).
+    loss, mask = t(MINI_LOSS), t(MINI_MASK)
+    per_rank = [sum(agg_loss(loss[i:i + 1], mask[i:i + 1], mode, **GLOBAL_COUNTS) for i in rows)
+                for rows in ((0, 1), (2, 3))]
+    assert_close(per_rank[0] + per_rank[1], MINI_EXPECTED[mode])
+
+
+def test_token_mean_with_global_count_weighs_every_token_alike_and_local_means_do_not():
+    loss, mask = t(MINI_LOSS), t(MINI_MASK)
+    # Global: 16/9 + 8/9 = 24/9; each token weighs 1/9.
+    first = agg_loss(loss[:2], mask[:2], "token-mean", num_tokens=9)
+    second = agg_loss(loss[2:], mask[2:], "token-mean", num_tokens=9)
+    assert_close(first, 16.0 / 9.0)
+    assert_close(second, 8.0 / 9.0)
+    # Local token-means weighted by each micro-batch's share of rows: 0.5 * 16/5 + 0.5 * 8/4 = 2.6, so a
+    # token of the 4-token micro-batch weighs 1/8 and one of the 5-token micro-batch 1/10.
+    by_rows = 0.5 * agg_loss(loss[:2], mask[:2], "token-mean") + 0.5 * agg_loss(loss[2:], mask[2:], "token-mean")
+    assert_close(by_rows, 2.6)
+    assert abs(by_rows.item() - 24.0 / 9.0) > 0.05
+
+
+def test_agg_loss_accepts_global_counts_as_tensors():
+    loss, mask = t(MINI_LOSS), t(MINI_MASK)
+    out = agg_loss(loss[:2], mask[:2], "seq-mean-token-mean", num_seqs=torch.tensor(3))
+    assert_close(out, (2.0 + 5.0) / 3.0)
 
 
 # =====================================================================================================
@@ -652,6 +739,22 @@ def test_policy_loss_passes_the_aggregation_mode_through():
     assert_close(loss, ((-1.2 - 0.5) + (3.0 + 0.8)) / 2)  # 1.05
 
 
+def test_policy_loss_passes_the_global_counts_and_the_scale_factor_to_agg_loss():
+    # Per-token losses (-1.2, -0.5) and (3.0, 0.8): sum 2.1 over 4 tokens of 2 rows, width T = 3.
+    loss, _ = compute_policy_loss(*PPO, num_tokens=7)
+    assert_close(loss, 2.1 / 7)
+    loss, _ = compute_policy_loss(*PPO, loss_agg_mode="seq-mean-token-sum", num_seqs=5)
+    assert_close(loss, 2.1 / 5)
+    loss, _ = compute_policy_loss(*PPO, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=2.0)
+    assert_close(loss, 2.1 / 2 / 2)  # the default factor would be T = 3: 2.1 / 2 / 3
+
+
+def test_gspo_loss_passes_the_global_counts_to_agg_loss():
+    # The three non-empty rows' token-means (-2 e^0.1, -1.2, e^-0.1) summed, over 6 rows of the mini-batch.
+    loss, _ = compute_policy_loss_gspo(*gspo_batch(), **GSPO_CLIP, num_seqs=6)
+    assert_close(loss, (-2 * math.exp(0.1) - 1.2 + math.exp(-0.1)) / 6)
+
+
 def test_on_policy_gradient_is_minus_advantage_over_token_count_and_zero_at_padding():
     mask = t([[1, 1, 0], [1, 0, 0]])
     # padding: a finite ratio against an infinite advantage, and NaN / inf log-probs
@@ -691,6 +794,18 @@ def test_a_registered_policy_loss_can_be_looked_up_by_name(monkeypatch):
     assert_close(loss, 0.525 / 2)
     with pytest.raises(ValueError, match="already registered"):
         register_policy_loss("halved")(halved)
+
+
+def test_registering_a_policy_loss_that_misses_an_actor_option_raises(monkeypatch):
+    monkeypatch.setattr(losses, "_POLICY_LOSSES", dict(_POLICY_LOSSES))
+
+    def without_counts(old_log_probs, log_probs, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
+                       clip_ratio_c, loss_agg_mode, rollout_is_weights):
+        return compute_policy_loss(old_log_probs, log_probs, advantages, response_mask)
+
+    with pytest.raises(TypeError, match="does not take num_tokens, num_seqs, loss_scale_factor"):
+        register_policy_loss("without-counts")(without_counts)
+    assert "without-counts" not in policy_losses()
 
 
 # GSPO: old log-probs vary per token, log_probs = old + delta; clip range [0.8, 1.2].
@@ -785,6 +900,14 @@ def test_value_loss_gradient_stops_where_the_clipped_term_wins_and_at_padding():
 def test_value_loss_passes_the_aggregation_mode_through():
     loss, _ = compute_value_loss(*value_batch(), cliprange_value=0.5, loss_agg_mode="seq-mean-token-mean")
     assert_close(loss, 0.5 * ((2.25 + 1.0 + 0.04) / 3 + 2.25) / 2)  # 0.8366667
+
+
+def test_value_loss_passes_the_global_counts_and_the_scale_factor_to_agg_loss():
+    loss, _ = compute_value_loss(*value_batch(), cliprange_value=0.5, num_tokens=10)
+    assert_close(loss, 0.5 * (2.25 + 1.0 + 0.04 + 2.25) / 10)
+    loss, _ = compute_value_loss(*value_batch(), cliprange_value=0.5, loss_agg_mode="seq-mean-token-sum-norm",
+                                 num_seqs=4, loss_scale_factor=2.0)
+    assert_close(loss, 0.5 * (2.25 + 1.0 + 0.04 + 2.25) / 4 / 2)
 
 
 def test_value_loss_rejects_a_negative_cliprange():

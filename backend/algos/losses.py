@@ -5,6 +5,7 @@ Pure torch functions on (batch, response_len) tensors: no I/O, no config objects
 small registry so the trainer picks one by name; an unknown name fails with the list of known ones.
 """
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -16,41 +17,74 @@ from backend.algos.masked import bool_mask, masked_mean, masked_sum, masked_var
 
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
+    "token-sum",
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
 
 
-def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str) -> Tensor:
-    """Reduce a per-token loss to a scalar.
+def agg_loss(
+    loss_mat: Tensor,
+    loss_mask: Tensor,
+    loss_agg_mode: str,
+    *,
+    num_tokens: float | Tensor | None = None,
+    num_seqs: float | Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> Tensor:
+    """Reduce a per-token loss to a scalar, as verl 0.9.1's ``agg_loss`` does.
 
-    token-mean:              sum_{i,t} L_it m_it / sum_{i,t} m_it
-    seq-mean-token-sum:      mean_i sum_t L_it m_it
-    seq-mean-token-mean:     mean_i (sum_t L_it m_it / sum_t m_it)
-    seq-mean-token-sum-norm: sum_{i,t} L_it m_it / T, T = loss_mat.shape[-1] (Dr.GRPO: Liu et al. 2025,
-                             "Understanding R1-Zero-Like Training", removes the length bias)
+    With N = num_tokens (default sum_{i,t} m_it), S = num_seqs (default: rows with a valid token) and
+    F = loss_scale_factor (default T = loss_mat.shape[-1], the padded width):
+
+    token-mean:              sum_{i,t} L_it m_it / N
+    token-sum:               sum_{i,t} L_it m_it
+    seq-mean-token-sum:      sum_i (sum_t L_it m_it) / S
+    seq-mean-token-mean:     sum_i (sum_t L_it m_it / sum_t m_it) / S
+    seq-mean-token-sum-norm: sum_i (sum_t L_it m_it) / S / F (Dr.GRPO: Liu et al. 2025, "Understanding
+                             R1-Zero-Like Training", a constant in place of each response's length)
+
+    The sums over i run over rows with at least one valid token, so an empty row neither adds a term nor
+    counts in S. Passing the mini-batch's global N and S (every micro-batch, every rank) makes the sum of
+    the micro-batches' results the loss of the whole mini-batch, each token or row weighing the same
+    whichever micro-batch it falls in; without them the counts are this batch's own. Averaging gradients
+    over ranks is the caller's business.
 
     Args:
         loss_mat: (batch, response_len) per-token loss.
         loss_mask: (batch, response_len), 1 for real response tokens, 0 for padding.
         loss_agg_mode: one of ``LOSS_AGG_MODES``.
+        num_tokens: N for token-mean, a number or a 0-dim tensor; None counts this batch's valid tokens.
+        num_seqs: S for the seq-mean modes; None counts this batch's non-empty rows.
+        loss_scale_factor: F for seq-mean-token-sum-norm (> 0); None is the padded width T.
 
-    The seq-mean modes average over sequences that have at least one valid token, so an empty
-    sequence neither adds a term nor dilutes the mean; an all-empty batch gives 0, never NaN.
+    A count of 0 (an all-empty batch) divides by 1, so the result is 0, never NaN.
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; known modes: {', '.join(LOSS_AGG_MODES)}")
+    if loss_scale_factor is not None and loss_scale_factor <= 0:
+        raise ValueError(f"loss_scale_factor={loss_scale_factor} must be > 0: the seq-mean-token-sum-norm loss is "
+                         "divided by it (None: the padded response length)")
     mask = bool_mask(loss_mask)
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, mask)
     if loss_agg_mode == "token-mean":
-        return masked_mean(loss_mat, mask)
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        return masked_sum(loss_mat, mask) / loss_mat.shape[-1]
-    if loss_agg_mode == "seq-mean-token-sum":
-        seq_losses = masked_sum(loss_mat, mask, dim=-1)
-    else:  # seq-mean-token-mean
+        return masked_sum(loss_mat, mask) / _count(mask.sum() if num_tokens is None else num_tokens, loss_mat)
+    non_empty = mask.any(dim=-1)
+    if loss_agg_mode == "seq-mean-token-mean":
         seq_losses = masked_mean(loss_mat, mask, dim=-1)
-    return masked_mean(seq_losses, mask.any(dim=-1))
+    else:
+        seq_losses = masked_sum(loss_mat, mask, dim=-1)
+    loss = masked_sum(seq_losses, non_empty) / _count(non_empty.sum() if num_seqs is None else num_seqs, loss_mat)
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        loss = loss / (loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    return loss
+
+
+def _count(count: float | Tensor, like: Tensor) -> Tensor:
+    """A divisor as a tensor of ``like``'s dtype and device, at least 1."""
+    return torch.as_tensor(count, dtype=like.dtype, device=like.device).clamp_min(1)
 
 
 # ---- KL penalty ----
@@ -156,6 +190,17 @@ class AdaptiveKLController:
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 _POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+# The keyword options the actor passes to every policy loss.
+POLICY_LOSS_OPTIONS: tuple[str, ...] = (
+    "clip_ratio_low",
+    "clip_ratio_high",
+    "clip_ratio_c",
+    "loss_agg_mode",
+    "rollout_is_weights",
+    "num_tokens",
+    "num_seqs",
+    "loss_scale_factor",
+)
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
@@ -164,12 +209,20 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     The function is called as fn(old_log_probs, log_probs, advantages, response_mask, **options) and
     returns (scalar loss, metrics dict of detached 0-dim tensors), like ``compute_policy_loss``. Among
     the options, ``rollout_is_weights`` ((batch, response_len) or None, see ``rollout_is_weights``)
-    multiplies the per-token loss before aggregation.
+    multiplies the per-token loss before aggregation, and ``num_tokens``, ``num_seqs`` and
+    ``loss_scale_factor`` go to ``agg_loss``. A function that does not take every option in
+    ``POLICY_LOSS_OPTIONS`` (by name, or through ``**options``) is refused here, not at its first call.
     """
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         if name in _POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
+        params = inspect.signature(fn).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            missing = [option for option in POLICY_LOSS_OPTIONS if option not in params]
+            if missing:
+                raise TypeError(f"policy loss {name!r} does not take {', '.join(missing)}, which the actor "
+                                f"passes to every policy loss; take them as keywords or through **options")
         _POLICY_LOSSES[name] = fn
         return fn
 
@@ -200,6 +253,9 @@ def compute_policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: Tensor | None = None,
+    num_tokens: float | Tensor | None = None,
+    num_seqs: float | Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with dual clip: rho = exp(logp - old),
     L = max(-A rho, -A clip(rho, 1 - low, 1 + high)), and for A < 0, L = min(L, -A c).
@@ -218,6 +274,8 @@ def compute_policy_loss(
         loss_agg_mode: one of ``LOSS_AGG_MODES``.
         rollout_is_weights: (batch, response_len) detached weights multiplying each token's loss (the
             rollout engine's importance-sampling correction, ``rollout_is_weights``), or None.
+        num_tokens, num_seqs, loss_scale_factor: the mini-batch's counts and the norm constant, passed to
+            ``agg_loss`` (None: this batch's own counts, the padded width).
 
     Returns (loss, metrics): "actor/pg_clipfrac" (share of valid tokens the ratio clip bound),
     "actor/ppo_kl" (mean of old - logp), "actor/pg_clipfrac_lower" (share where the dual clip bound), as
@@ -240,7 +298,8 @@ def compute_policy_loss(
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
 
-    loss = agg_loss(pg_losses, mask, loss_agg_mode)
+    loss = agg_loss(pg_losses, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                    loss_scale_factor=loss_scale_factor)
     with torch.no_grad():
         metrics = {
             "actor/pg_clipfrac": masked_mean((pg_losses2 > pg_losses1).float(), mask),
@@ -262,6 +321,9 @@ def compute_policy_loss_gspo(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "seq-mean-token-mean",
     rollout_is_weights: Tensor | None = None,
+    num_tokens: float | Tensor | None = None,
+    num_seqs: float | Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO: PPO's clip on the length-normalised sequence ratio s_i = exp(mean_t(logp_it - old_it)), in
     its token form s_it = exp(sg[log s_i] + logp_it - sg[logp_it]): s_it equals s_i in value, while
@@ -282,6 +344,7 @@ def compute_policy_loss_gspo(
         loss_agg_mode: one of ``LOSS_AGG_MODES``.
         rollout_is_weights: (batch, response_len) detached per-token weights of the loss, or None (as in
             ``compute_policy_loss``).
+        num_tokens, num_seqs, loss_scale_factor: passed to ``agg_loss``, as in ``compute_policy_loss``.
 
     Returns (loss, metrics): "actor/pg_clipfrac" (share of valid tokens the clip bound), "actor/ppo_kl"
     (mean of old - logp over valid tokens), "actor/pg_clipfrac_lower" (always 0: no dual clip), as
@@ -303,7 +366,8 @@ def compute_policy_loss_gspo(
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
 
-    loss = agg_loss(pg_losses, mask, loss_agg_mode)
+    loss = agg_loss(pg_losses, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                    loss_scale_factor=loss_scale_factor)
     with torch.no_grad():
         clipfrac = masked_mean((pg_losses2 > pg_losses1).float(), mask)
         metrics = {
@@ -366,6 +430,9 @@ def compute_value_loss(
     *,
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
+    num_tokens: float | Tensor | None = None,
+    num_seqs: float | Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped value loss: v_clip = V_old + clip(v - V_old, -c, c),
     L = 0.5 * agg(max((v - R)^2, (v_clip - R)^2)).
@@ -380,6 +447,8 @@ def compute_value_loss(
         response_mask: (batch, response_len), 1 for real response tokens.
         cliprange_value: c >= 0, how far a prediction may move from V_old before its gradient stops.
         loss_agg_mode: one of ``LOSS_AGG_MODES``.
+        num_tokens, num_seqs, loss_scale_factor: the mini-batch's counts and the norm constant, passed to
+            ``agg_loss`` (None: this batch's own counts, the padded width).
 
     Returns (loss, metrics): "critic/vf_loss" (the loss), "critic/vf_clipfrac" (share of valid tokens where
     the clipped term is the larger), "critic/vpred_mean" (mean of vpreds over valid tokens), as detached
@@ -399,7 +468,8 @@ def compute_value_loss(
     vpred_clipped = values + (vpreds - values).clamp(-cliprange_value, cliprange_value)
     vf_losses1 = (vpreds - returns).square()
     vf_losses2 = (vpred_clipped - returns).square()
-    loss = 0.5 * agg_loss(torch.maximum(vf_losses1, vf_losses2), mask, loss_agg_mode)
+    loss = 0.5 * agg_loss(torch.maximum(vf_losses1, vf_losses2), mask, loss_agg_mode, num_tokens=num_tokens,
+                          num_seqs=num_seqs, loss_scale_factor=loss_scale_factor)
     with torch.no_grad():
         metrics = {
             "critic/vf_loss": loss.detach(),
