@@ -5,6 +5,7 @@ values (BIG), inf or NaN: if any of them leaked into a result the expected numbe
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -259,10 +260,12 @@ KL_EXPECTED = {
     "abs": [[0.5, 1.0, 2.0]],
 }
 KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+# Straight-through: the value of the named base, the gradient of k2 (logp - ref = 0.5, -1.0, 2.0).
+KL_STRAIGHT_THROUGH = {"k1+": "k1", "kl+": "k1", "k3+": "k3", "low_var_kl+": "k3"}
 
 
-def test_kl_types_lists_every_name_and_alias():
-    assert set(KL_TYPES) == set(KL_EXPECTED) | set(KL_ALIASES)
+def test_kl_types_lists_every_name_alias_and_straight_through_variant():
+    assert set(KL_TYPES) == set(KL_EXPECTED) | set(KL_ALIASES) | set(KL_STRAIGHT_THROUGH)
 
 
 @pytest.mark.parametrize("kl_type", sorted(KL_EXPECTED))
@@ -273,6 +276,30 @@ def test_kl_penalty_matches_hand_computed_values(kl_type):
 @pytest.mark.parametrize(("alias", "name"), sorted(KL_ALIASES.items()))
 def test_kl_penalty_alias_gives_the_same_values_as_its_name(alias, name):
     assert_close(kl_penalty(t(KL_LOGP), t(KL_REF), alias), KL_EXPECTED[name])
+
+
+@pytest.mark.parametrize(("kl_type", "base"), sorted(KL_STRAIGHT_THROUGH.items()))
+def test_straight_through_kl_has_the_base_value_and_the_gradient_of_k2(kl_type, base):
+    logp = t(KL_LOGP).requires_grad_()
+    kl = kl_penalty(logp, t(KL_REF), kl_type)
+    assert_close(kl.detach(), KL_EXPECTED[base])
+    kl.sum().backward()
+    assert_close(logp.grad, [[0.5, -1.0, 2.0]])  # d(0.5 (logp - ref)^2) / d logp = logp - ref
+
+
+def test_k3_plus_keeps_the_clamped_value_and_the_unclamped_k2_gradient():
+    # r = ref - logp = -15: k3 = exp(-15) + 14, clamped to 10; k2's gradient is logp - ref = 15.
+    logp = t([[0.0]]).requires_grad_()
+    kl = kl_penalty(logp, t([[-15.0]]), "k3+")
+    kl.sum().backward()
+    assert_close(kl.detach(), [[10.0]])
+    assert_close(logp.grad, [[15.0]])
+
+
+@pytest.mark.parametrize("kl_type", ["k2+", "mse+", "abs+"])
+def test_kl_penalty_refuses_a_plus_on_k2_mse_and_abs(kl_type):
+    with pytest.raises(ValueError, match=re.escape(f"unknown kl_type '{kl_type}'")):
+        kl_penalty(t(KL_LOGP), t(KL_REF), kl_type)
 
 
 def test_k3_kl_is_clamped_to_ten_with_finite_gradient():
@@ -288,7 +315,7 @@ def test_k3_kl_is_clamped_to_ten_with_finite_gradient():
 
 
 def test_kl_penalty_unknown_type_raises_and_lists_known_types():
-    with pytest.raises(ValueError, match="k1, kl, k2, mse, k3, low_var_kl, abs"):
+    with pytest.raises(ValueError, match=r"k1, kl, k2, mse, k3, low_var_kl, abs, k1\+, kl\+, k3\+, low_var_kl\+"):
         kl_penalty(t(KL_LOGP), t(KL_REF), "k4")
 
 
@@ -482,38 +509,43 @@ def test_rloo_advantage_is_score_minus_mean_of_the_other_responses():
     assert_close(ret, expected)
 
 
-def test_rloo_advantage_of_a_group_of_one_is_zero():
+def test_rloo_advantage_of_a_group_of_one_keeps_its_score_as_verls_default_rloo():
     batch = {
         "token_level_rewards": t([[0.0, 0.7], [0.0, 1.0], [2.0, BIG]]),
         "response_mask": t([[1, 1], [1, 1], [1, 0]]),
         "group_ids": torch.tensor([4, 9, 9]),
     }
     adv, _ = compute_advantage("rloo", **batch)
-    assert_close(adv, [[0.0, 0.0], [-1.0, -1.0], [1.0, 0.0]])  # group 9: 1 - 2, 2 - 1
+    # group 4 alone: no other response, baseline 0, A = 0.7; group 9: 1 - 2, 2 - 1
+    assert_close(adv, [[0.7, 0.7], [-1.0, -1.0], [1.0, 0.0]])
 
 
 def test_reinforce_plus_plus_discounts_returns_to_go_then_whitens_over_the_batch():
     batch = {
-        "token_level_rewards": t([[0.0, 0.0, 1.0, BIG], [0.0, 2.0, BIG, BIG]]),
-        "response_mask": t([[1, 1, 1, 0], [1, 1, 0, 0]]),
-        "group_ids": torch.tensor([0, 1]),
+        "token_level_rewards": t([[0.0, BIG, 0.0, 1.0], [0.0, 2.0, BIG, BIG], [BIG, BIG, BIG, BIG]]),
+        "response_mask": t([[1, 0, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]),
+        "group_ids": torch.tensor([0, 1, 2]),
     }
     adv, ret = compute_advantage("reinforce_plus_plus", **batch, gamma=0.5)
-    # returns-to-go with gamma 0.5: (0.25, 0.5, 1) and (1, 2)
-    assert_close(ret, [[0.25, 0.5, 1.0, 0.0], [1.0, 2.0, 0.0, 0.0]])
-    # mean 4.75/5 = 0.95; deviations -0.7 -0.45 0.05 0.05 1.05; sum sq 1.8 -> unbiased var 0.45
+    # row 0, gamma 0.5 once per valid token: t3 1, t2 0 + 0.5 * 1 = 0.5, t1 masked (return carried, its
+    # own 0), t0 0 + 0.5 * 0.5 = 0.25; row 1: (1, 2); row 2 is empty
+    assert_close(ret, [[0.25, 0.0, 0.5, 1.0], [1.0, 2.0, 0.0, 0.0], [0.0] * 4])
+    # valid returns 0.25 0.5 1 1 2: mean 4.75/5 = 0.95; deviations -0.7 -0.45 0.05 0.05 1.05; sum sq 1.8
+    # -> unbiased var 0.45
     s = math.sqrt(0.45 + WHITEN_EPS)
-    assert_close(adv, [[-0.7 / s, -0.45 / s, 0.05 / s, 0.0], [0.05 / s, 1.05 / s, 0.0, 0.0]])
+    assert_close(adv, [[-0.7 / s, 0.0, -0.45 / s, 0.05 / s], [0.05 / s, 1.05 / s, 0.0, 0.0], [0.0] * 4])
 
 
-def test_reinforce_plus_plus_return_restarts_after_a_masked_position():
+def test_reinforce_plus_plus_carries_the_return_through_a_masked_position_without_discounting_it():
     batch = {
-        "token_level_rewards": t([[1.0, BIG, 1.0]]),
-        "response_mask": t([[1, 0, 1]]),
-        "group_ids": torch.tensor([0]),
+        "token_level_rewards": t([[0.0, 0.0, 1.0], [1.0, BIG, 1.0]]),
+        "response_mask": t([[1, 0, 1], [1, 0, 1]]),
+        "group_ids": torch.tensor([0, 1]),
     }
-    _, ret = compute_advantage("reinforce_plus_plus", **batch, gamma=1.0)
-    assert_close(ret, [[1.0, 0.0, 1.0]])  # without the restart t=0 would see 1 + 1 = 2
+    _, ret = compute_advantage("reinforce_plus_plus", **batch, gamma=0.5)
+    # row 0: t2 1, t1 skipped, t0 0 + 0.5 * 1 = 0.5 (discounted once, not twice: not 0.25);
+    # row 1: t2 1, t0 1 + 0.5 * 1 = 1.5 (restarting at the gap would give 1)
+    assert_close(ret, [[0.5, 0.0, 1.0], [1.5, 0.0, 1.0]])
 
 
 def test_reinforce_plus_plus_baseline_whitens_group_centered_scores_over_the_batch():

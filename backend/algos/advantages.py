@@ -252,8 +252,11 @@ def drgrpo_advantage(token_level_rewards: Tensor, response_mask: Tensor, group_i
 
 @register_advantage("rloo")
 def rloo_advantage(token_level_rewards: Tensor, response_mask: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """RLOO: A_i = s_i - mean_{j != i} s_j = n/(n-1) * (s_i - mean_g(s)); a group of one gets 0
-    (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization").
+    """RLOO: A_i = s_i - mean_{j != i} s_j = n/(n-1) * (s_i - mean_g(s)) (Ahmadian et al. 2024, "Back to
+    Basics: Revisiting REINFORCE Style Optimization").
+
+    A group of one has no other response to make a baseline of, so its baseline is 0 and A = s, as verl
+    0.9.1's default "rloo" does (its "rloo_vectorized" gives such a group 0 instead).
 
     Args:
         token_level_rewards: (batch, response_len).
@@ -266,8 +269,8 @@ def rloo_advantage(token_level_rewards: Tensor, response_mask: Tensor, group_ids
     scores = _sequence_scores(token_level_rewards, mask)
     mean, _, counts = _group_stats(scores, group_ids)
     n = counts.to(scores.dtype)
-    # A lone sample has no leave-one-out baseline at all, so it carries no signal.
-    scores = torch.where(counts > 1, (scores - mean) * n / (n - 1).clamp_min(1), 0)
+    # _group_stats gives a group of one mean 0, so the same formula keeps its score: 1/1 * (s - 0).
+    scores = (scores - mean) * n / (n - 1).clamp_min(1)
     advantages = _broadcast(scores, mask)
     return advantages, advantages
 
@@ -276,13 +279,17 @@ def rloo_advantage(token_level_rewards: Tensor, response_mask: Tensor, group_ids
 def reinforce_plus_plus_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, gamma: float = 1.0
 ) -> tuple[Tensor, Tensor]:
-    """REINFORCE++: G_t = r_t + gamma * G_{t+1} over valid tokens, then A = whiten(G) over every valid
-    token of the batch (Hu 2025, "REINFORCE++"). A padded position has G = 0 and restarts the sum.
+    """REINFORCE++: G_t = r_t + gamma * G_{t'} over valid tokens, t' the next valid token after t (0 past
+    the last), then A = whiten(G) over every valid token of the batch (Hu 2025, "REINFORCE++").
+
+    As verl 0.9.1 does, a masked-out position inside a response (a multi-turn episode's observation
+    tokens) is stepped over: it adds no reward and no discount, and the return flows through it to the
+    tokens before it. Its own return and advantage are 0.
 
     Args:
         token_level_rewards: (batch, response_len).
-        response_mask: (batch, response_len).
-        gamma: discount.
+        response_mask: (batch, response_len), 1 for the tokens the policy generated.
+        gamma: discount, applied once per valid token.
 
     Returns (advantages, returns): whitened and raw returns-to-go, both (batch, response_len).
     """
@@ -290,8 +297,8 @@ def reinforce_plus_plus_advantage(
     running = torch.zeros_like(token_level_rewards[:, 0])
     returns_reversed = []
     for t in reversed(range(token_level_rewards.shape[1])):
-        running = torch.where(mask[:, t], token_level_rewards[:, t] + gamma * running, 0)
-        returns_reversed.append(running)
+        running = torch.where(mask[:, t], token_level_rewards[:, t] + gamma * running, running)
+        returns_reversed.append(torch.where(mask[:, t], running, 0))
     returns = torch.stack(returns_reversed[::-1], dim=1)
     return masked_whiten(returns, mask), returns
 

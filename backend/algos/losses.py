@@ -89,7 +89,7 @@ def _count(count: float | Tensor, like: Tensor) -> Tensor:
 
 # ---- KL penalty ----
 
-KL_TYPES: tuple[str, ...] = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
+KL_TYPES: tuple[str, ...] = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs", "k1+", "kl+", "k3+", "low_var_kl+")
 
 
 def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kl_type: str) -> Tensor:
@@ -100,6 +100,13 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kl_type: str) -> Tensor
     k2 / mse:         0.5 * (logp - ref)^2
     k3 / low_var_kl:  exp(r) - r - 1 with r = ref - logp, clamped to [-10, 10]
     abs:              |logp - ref|
+    k1+, k3+ (kl+, low_var_kl+): straight-through, as verl 0.9.1: the value of k1 or k3 (with its clamps),
+                      the gradient of k2: k2 - sg(k2) + sg(base). d k2 / d logp = logp - ref, which for
+                      tokens sampled from pi averages to the gradient of KL(pi || pi_ref) itself (Tang and
+                      Munos 2025, "On a Few Pitfalls in KL Divergence Gradient Estimation for RL").
+
+    Differs from verl: verl strips a trailing "+" from any type; "k2+", "mse+" (the same as k2) and "abs+"
+    are refused here.
 
     Args:
         log_probs: (batch, response_len) log-probs of the sampled tokens under the policy.
@@ -108,6 +115,17 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kl_type: str) -> Tensor
 
     Returns (batch, response_len); padding is not masked here, callers mask it.
     """
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"unknown kl_type {kl_type!r}; known types: {', '.join(KL_TYPES)}")
+    base = _kl_value(log_probs, ref_log_probs, kl_type.removesuffix("+"))
+    if not kl_type.endswith("+"):
+        return base
+    k2 = 0.5 * (log_probs - ref_log_probs).square()
+    return k2 - k2.detach() + base.detach()
+
+
+def _kl_value(log_probs: Tensor, ref_log_probs: Tensor, kl_type: str) -> Tensor:
+    """One of the plain estimators of ``kl_penalty``, by a name without "+"."""
     if kl_type in ("k1", "kl"):
         return log_probs - ref_log_probs
     if kl_type in ("k2", "mse"):
@@ -117,9 +135,7 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kl_type: str) -> Tensor
         # exp(r) finite so the backward pass never multiplies the clamp's zero gradient by inf.
         r = (ref_log_probs - log_probs).clamp(-20.0, 20.0)
         return (torch.exp(r) - r - 1).clamp(-10.0, 10.0)
-    if kl_type == "abs":
-        return (log_probs - ref_log_probs).abs()
-    raise ValueError(f"unknown kl_type {kl_type!r}; known types: {', '.join(KL_TYPES)}")
+    return (log_probs - ref_log_probs).abs()
 
 
 def apply_kl_penalty(
