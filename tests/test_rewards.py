@@ -18,11 +18,12 @@ from backend.rewards.registry import (
     register_reward,
 )
 from backend.rewards.rules import (
+    GSM8K_SCORERS,
     arithmetic_score,
     extract_boxed,
     extract_hash_answer,
     extract_last_number,
-    gsm8k_default_score,
+    gsm8k_lenient_score,
     gsm8k_score,
     math_score,
     normalize_number,
@@ -66,9 +67,9 @@ def test_hash_answer_keeps_a_negative_sign():
     assert gsm8k_score("gsm8k", "#### -5", "5")["score"] == 0.0
 
 
-def test_hash_answer_with_a_trailing_zero_decimal_equals_the_shorter_ground_truth():
+def test_hash_answer_with_a_trailing_zero_decimal_equals_the_shorter_ground_truth_under_the_lenient_rule():
     assert extract_hash_answer("#### 3.50") == "3.50"
-    result = gsm8k_score("gsm8k", "#### 3.50", "3.5")
+    result = gsm8k_lenient_score("gsm8k", "#### 3.50", "3.5")
     assert result["score"] == 1.0
     assert result["pred"] == "3.5"
 
@@ -125,8 +126,9 @@ def test_strict_and_flexible_differ_when_the_answer_is_not_after_the_marker():
     assert extract_hash_answer(text) is None
     assert extract_last_number(text) == "42"
     assert gsm8k_score("gsm8k", text, "42", method="strict")["score"] == 0.0
-    flexible = gsm8k_score("gsm8k", text, "42", method="flexible")
-    assert flexible == {"score": 1.0, "correct": 1.0, "format": 1.0, "pred": "42"}
+    # verl's flexible run of digits, dots and commas takes the sentence's full stop with it: "42." != "42"
+    flexible = gsm8k_score("gsm8k", text, "42", method="flexible", format_score=0.1)
+    assert flexible == {"score": 0.1, "correct": 0.0, "format": 1.0, "pred": "42."}
 
 
 def test_words_between_the_marker_and_the_number_fail_strict_but_not_flexible():
@@ -197,8 +199,8 @@ def test_math_score_gives_zero_but_format_for_a_wrong_box():
      ("I think 12 but #### 13", 0.0),
      ("Nothing here", 0.0)],
 )
-def test_registered_gsm8k_rule_gives_half_credit_only_for_a_right_answer_without_marker(response, expected):
-    assert gsm8k_default_score("openai/gsm8k", response, "12")["score"] == expected
+def test_lenient_gsm8k_rule_gives_half_credit_only_for_a_right_answer_without_marker(response, expected):
+    assert gsm8k_lenient_score("openai/gsm8k", response, "12")["score"] == expected
 
 
 def test_gsm8k_format_score_is_given_for_a_wrong_extracted_answer():
@@ -206,8 +208,76 @@ def test_gsm8k_format_score_is_given_for_a_wrong_extracted_answer():
     assert result == {"score": 0.1, "correct": 0.0, "format": 1.0, "pred": "41"}
 
 
-def test_gsm8k_ground_truth_may_be_the_full_solution():
-    assert gsm8k_default_score("gsm8k", "#### 72", "48 + 24 = 72\n#### 72")["score"] == 1.0
+# verl 0.9.1's GSM8K rule, worked by hand from its source: the last 300 characters; strict takes the last
+# match of "#### (-?[0-9.,]+)" and drops its commas; flexible takes the last run of "-?[0-9.,]+" that is
+# not a lone "." (all lone dots: the first), commas kept; the answer is compared with the ground truth as
+# strings. Scored with format_score 0.1, so 0.0 means no answer read and 0.1 a wrong one.
+PAD = " " * 293  # "#### 18" + PAD is 300 characters; one more pushes the first "#" out of the window
+VERL_GSM8K_PROBES = [
+    # (method, response, ground truth, score, pred)
+    ("strict", "#### 18", "18", 1.0, "18"),
+    ("strict", "#### 18.0", "18", 0.1, "18.0"),
+    ("strict", "#### 2.50", "2.5", 0.1, "2.50"),
+    ("strict", "#### 2.5", "2.5", 1.0, "2.5"),
+    ("strict", "#### 018", "18", 0.1, "018"),
+    ("strict", "#### $18", "18", 0.0, None),
+    ("strict", "####18", "18", 0.0, None),
+    ("strict", "#### - 5", "-5", 0.0, None),
+    ("strict", "#### -5", "-5", 1.0, "-5"),
+    ("strict", "#### 1,2,3", "123", 1.0, "123"),
+    ("strict", "#### 1,234", "1234", 1.0, "1234"),
+    ("strict", "#### 1,234", "1,234", 0.1, "1234"),  # the ground truth is compared as given
+    ("strict", "#### 18,000", "18000", 1.0, "18000"),
+    ("strict", "#### ,18", "18", 1.0, "18"),
+    ("strict", "#### .5", "0.5", 0.1, ".5"),
+    ("strict", "#### -.5", "-0.5", 0.1, "-.5"),
+    ("strict", "#### 18.", "18", 0.1, "18."),
+    ("strict", "#### 1.8e1", "18", 0.1, "1.8"),
+    ("strict", "#### 18 apples", "18", 1.0, "18"),
+    ("strict", "#### 18/1", "18", 1.0, "18"),
+    ("strict", "#### \u221218", "-18", 0.0, None),  # U+2212 is not a minus
+    ("strict", "#### -", "-5", 0.0, None),
+    ("strict", "####  18", "18", 0.0, None),  # two spaces
+    ("strict", "##### 18", "18", 1.0, "18"),
+    ("strict", "#### 17\n#### 18", "18", 1.0, "18"),
+    ("strict", "#### 18\nNo, #### 17", "18", 0.1, "17"),
+    ("strict", "#### 18 #### ", "18", 1.0, "18"),  # the empty last marker is no match at all
+    ("strict", "The answer is 18.", "18", 0.0, None),
+    ("strict", "", "18", 0.0, None),
+    ("strict", "#### 18" + PAD, "18", 1.0, "18"),
+    ("strict", "#### 18" + PAD + " ", "18", 0.0, None),
+    ("flexible", "The answer is 18", "18", 1.0, "18"),
+    ("flexible", "The answer is 18.", "18", 0.1, "18."),
+    ("flexible", "I have 5 apples and 18 pears", "18", 1.0, "18"),
+    ("flexible", "answer: 18, done", "18", 0.1, "18,"),
+    ("flexible", "18 then .", "18", 1.0, "18"),
+    ("flexible", "...", "18", 0.1, "..."),
+    ("flexible", "Dots . and . only", "18", 0.1, "."),
+    ("flexible", "no digits here", "18", 0.0, None),
+    ("flexible", "1,234 in all", "1234", 0.1, "1,234"),
+    ("flexible", "1,234 in all", "1,234", 1.0, "1,234"),
+    ("flexible", "-18 degrees", "-18", 1.0, "-18"),
+    ("flexible", "costs $18", "18", 1.0, "18"),
+    ("flexible", "\u221218", "-18", 0.1, "18"),
+    ("flexible", "#### 18", "18", 1.0, "18"),
+    ("flexible", "18" + " x" * 150, "18", 0.0, None),  # 302 characters: the 18 is cut off
+]
+
+
+@pytest.mark.parametrize(("method", "response", "truth", "score", "pred"), VERL_GSM8K_PROBES)
+def test_gsm8k_score_is_verls_rule_on_every_probe(method, response, truth, score, pred):
+    result = gsm8k_score("openai/gsm8k", response, truth, method=method, format_score=0.1)
+    assert (result["score"], result["pred"]) == (score, pred)
+    assert result["correct"] == float(score == 1.0)
+    assert result["format"] == float(pred is not None)
+
+
+def test_gsm8k_score_pays_the_given_score_for_a_right_answer():
+    assert gsm8k_score("gsm8k", "#### 7", "7", score=2.0)["score"] == 2.0
+
+
+def test_lenient_gsm8k_ground_truth_may_be_the_full_solution():
+    assert gsm8k_lenient_score("gsm8k", "#### 72", "48 + 24 = 72\n#### 72")["score"] == 1.0
 
 
 def test_gsm8k_rejects_an_unknown_method():
@@ -239,7 +309,8 @@ def test_every_built_in_data_source_is_registered():
     names = set(known_data_sources())
     assert {"openai/gsm8k", "gsm8k", "math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval",
             "HuggingFaceH4/MATH-500", "arithmetic"} <= names
-    assert get_scorer("gsm8k") is gsm8k_default_score
+    assert get_scorer("gsm8k") is gsm8k_score
+    assert get_scorer("openai/gsm8k") is gsm8k_score
     assert get_scorer("HuggingFaceH4/MATH-500") is math_score
 
 
@@ -529,6 +600,31 @@ def test_custom_fn_scores_every_row_even_for_a_registered_data_source():
                         [{"index": 0}, None], custom_fn=constant)
     assert batch.scores == [0.25, 0.25]
     assert sorted(seen, key=lambda s: s[0]) == [("gsm8k", {"index": 0}), ("unknown/source", None)]
+
+
+def test_score_batch_scores_gsm8k_rows_with_the_chosen_rule_and_others_with_their_own():
+    args = (["openai/gsm8k", "gsm8k", "arithmetic"], ["The sum is 12.", "#### 2.50", "#### 7"], ["12", "2.5", "7"])
+    assert score_batch(*args).scores == [0.0, 0.0, 1.0]  # verl's rule by default
+    assert score_batch(*args, gsm8k_scorer="verl").scores == [0.0, 0.0, 1.0]
+    assert score_batch(*args, gsm8k_scorer="lenient").scores == [0.5, 1.0, 1.0]
+
+
+def test_score_batch_refuses_an_unknown_gsm8k_rule_naming_the_choices():
+    with pytest.raises(RewardError, match="gsm8k_scorer='strict' is not a GSM8K rule; choose one of: verl, lenient"):
+        score_batch(["gsm8k"], ["#### 1"], ["1"], gsm8k_scorer="strict")
+
+
+def test_a_scorer_registered_over_gsm8k_is_kept_whichever_rule_is_chosen(scratch_registry):
+    @register_reward("gsm8k")
+    def always_half(data_source, solution_str, ground_truth, extra_info=None):
+        return 0.5
+
+    assert score_batch(["gsm8k", "openai/gsm8k"], ["#### 1", "1"], ["1", "1"], gsm8k_scorer="lenient").scores \
+        == [0.5, 0.5]
+
+
+def test_gsm8k_scorers_are_verls_rule_then_ours():
+    assert list(GSM8K_SCORERS.items()) == [("verl", gsm8k_score), ("lenient", gsm8k_lenient_score)]
 
 
 def test_an_unknown_data_source_fails_the_batch_before_anything_is_scored():

@@ -1,5 +1,5 @@
-"""The built-in scorers: GSM8K, exact arithmetic and math answers in \\boxed{}, each registered for its
-data sources, with the answer extraction they share.
+"""The built-in scorers: GSM8K (verl's rule, and our lenient one as an option), exact arithmetic and math
+answers in \\boxed{}, each registered for its data sources, with the answer extraction they share.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any
 
-from backend.rewards.registry import RewardError, register_reward
+from backend.rewards.registry import RewardError, Scorer, register_reward
 
 GSM8K_DATA_SOURCES = ("openai/gsm8k", "gsm8k")
 MATH_DATA_SOURCES = ("math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
@@ -147,6 +147,33 @@ def _parts(score: float, correct: bool, formatted: bool, pred: str | None) -> di
 
 # ---- GSM8K ----
 
+# verl 0.9.1 reads only the response's last 300 characters.
+_VERL_CLIP_CHARS = 300
+_VERL_STRICT = re.compile(r"#### (-?[0-9.,]+)")
+_VERL_FLEXIBLE = re.compile(r"(-?[0-9.,]+)")
+
+
+def verl_gsm8k_answer(solution_str: str, method: str = "strict") -> str | None:
+    """The answer verl 0.9.1's GSM8K rule reads from a response, as a string, or None.
+
+    Only the last 300 characters are searched. strict: the last "#### " followed at once by a run of
+    digits, ".", "," (a "-" may lead), commas then removed ("#### 1,2,3" gives "123"; "####18",
+    "#### $18" and "#### - 5" give None). flexible: the last run of that kind anywhere, commas kept,
+    skipping runs that are a lone "."; when every run is a lone ".", the first one.
+    """
+    if method not in ("strict", "flexible"):
+        raise RewardError(f"gsm8k_score: method must be 'strict' or 'flexible', got {method!r}")
+    text = solution_str[-_VERL_CLIP_CHARS:]
+    if method == "strict":
+        found = _VERL_STRICT.findall(text)
+        return found[-1].replace(",", "") if found else None
+    found = _VERL_FLEXIBLE.findall(text)
+    if not found:
+        return None
+    return next((answer for answer in reversed(found) if answer != "."), found[0])
+
+
+@register_reward(*GSM8K_DATA_SOURCES)
 def gsm8k_score(
     data_source: str,
     solution_str: str,
@@ -156,37 +183,42 @@ def gsm8k_score(
     format_score: float = 0.0,
     score: float = 1.0,
 ) -> dict[str, Any]:
-    """GSM8K as verl scores it: `score` for the right answer, `format_score` for a wrong one, 0 for none.
+    """GSM8K exactly as verl 0.9.1 scores it (verl/utils/reward_score/gsm8k.py): the answer read by
+    ``verl_gsm8k_answer`` compared with the ground truth as strings, "2.50" != "2.5", "018" != "18".
 
-    method="strict" reads the number after the last "####"; method="flexible" reads the last number
-    anywhere in the response. Numbers compare after `normalize_number` ("1,234" == "1234.0").
-    Returns {score, correct, format (1.0 when an answer was extracted), pred}.
+    - no answer read: 0
+    - answer == ground_truth: ``score``
+    - another answer: ``format_score``
+
+    The ground truth is compared as given: verl's GSM8K data holds the bare answer with commas removed
+    ("1234"), as ``python -m backend data gsm8k`` writes it. Registered for the GSM8K data sources; the
+    run config's reward.gsm8k_scorer picks between this rule ("verl") and ``gsm8k_lenient_score``.
+    Returns {score, correct (the answer equals the ground truth), format (an answer was read), pred}.
     """
-    if method == "strict":
-        pred = extract_hash_answer(solution_str)
-    elif method == "flexible":
-        pred = extract_last_number(solution_str)
-    else:
-        raise RewardError(f"gsm8k_score: method must be 'strict' or 'flexible', got {method!r}")
-    truth = _number_ground_truth(ground_truth, data_source)
-    if pred is None:
+    answer = verl_gsm8k_answer(solution_str, method)
+    if answer is None:
         return _parts(0.0, False, False, None)
-    correct = normalize_number(pred) == truth
-    return _parts(score if correct else format_score, correct, True, normalize_number(pred))
+    correct = answer == ground_truth
+    return _parts(score if correct else format_score, correct, True, answer)
 
 
-@register_reward(*GSM8K_DATA_SOURCES)
-def gsm8k_default_score(
+def gsm8k_lenient_score(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
 ) -> dict[str, Any]:
-    """The registered GSM8K rule, with partial credit for a right answer in the wrong format.
+    """Our own GSM8K rule, friendlier to small models than verl's, with partial credit:
 
     - the number after the last "####" is right: 1.0
     - no number after a last "####", but the last number in the response is right: 0.5
     - otherwise (a wrong "####" answer, or no right number at all): 0.0
 
+    Differs from verl: numbers compare by value ("2.50" == "2.5", "018" == "18", "1,234" == "1234"); the
+    marker may be followed by spaces, "$" or a minus ("#### $18", "####18", "#### - 5" read 18, 18, -5);
+    U+2212 is a minus; the whole response is searched, not its last 300 characters; commas count only
+    between groups of three digits ("#### 1,2,3" reads 1, not 123); a right last number without the
+    marker earns 0.5; a ground truth may be a whole solution ("... #### 72").
+
     Parts: correct (the answer read, strict or else flexible, is right), format (a "#### n" answer was
-    found), pred. For verl's plain rule use `gsm8k_score` with `method` and `format_score`.
+    found), pred.
     """
     truth = _number_ground_truth(ground_truth, data_source)
     strict = extract_hash_answer(solution_str)
@@ -196,6 +228,10 @@ def gsm8k_default_score(
     flexible = extract_last_number(solution_str)
     correct = _same_number(flexible, truth)
     return _parts(0.5 if correct else 0.0, correct, False, normalize_number(flexible) if flexible else None)
+
+
+# The rules reward.gsm8k_scorer names; the first is what a GSM8K data source is registered with.
+GSM8K_SCORERS: dict[str, Scorer] = {"verl": gsm8k_score, "lenient": gsm8k_lenient_score}
 
 
 # ---- arithmetic (our synthetic sets) ----

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend.rewards.registry import RewardError, get_scorer
+from backend.rewards.rules import GSM8K_SCORERS, gsm8k_score
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +206,12 @@ def _run_rows(n: int, run_one: Callable[[int], _Outcome], timeout_s: float,
     return [r for r in results if r is not None]
 
 
+def _rule_scorer(data_source: str, gsm8k_scorer: str) -> Callable:
+    """The registered scorer of `data_source`, with the chosen GSM8K rule in place of the built-in one."""
+    scorer = get_scorer(data_source)
+    return GSM8K_SCORERS[gsm8k_scorer] if scorer is gsm8k_score else scorer
+
+
 def score_batch(
     data_sources: list[str],
     responses: list[str],
@@ -212,9 +219,14 @@ def score_batch(
     extra_infos: list[dict | None] | None = None,
     *,
     custom_fn: Callable | None = None,
+    gsm8k_scorer: str = "verl",
     timeout_s: float = 10.0,
 ) -> ScoredBatch:
     """Score each response with its data_source's scorer (or `custom_fn` for every row, as verl does).
+
+    `gsm8k_scorer` names the rule for rows whose data_source is a GSM8K one (`rules.GSM8K_SCORERS`:
+    "verl", verl 0.9.1's exact rule, the default of reward.gsm8k_scorer too; "lenient", ours, with
+    partial credit). A scorer someone registered over the built-in one for a GSM8K source is kept.
 
     Every row is scored in isolation, concurrently on a small pool of daemon threads. A row whose
     scorer raises, returns something other than a finite number (None, a string, NaN, inf, a dict
@@ -237,13 +249,16 @@ def score_batch(
         )
     if not timeout_s > 0:
         raise RewardError(f"score_batch: timeout_s must be > 0, got {timeout_s}")
+    if gsm8k_scorer not in GSM8K_SCORERS:
+        raise RewardError(f"score_batch: gsm8k_scorer={gsm8k_scorer!r} is not a GSM8K rule; choose one of: "
+                          f"{', '.join(GSM8K_SCORERS)}")
 
     if custom_fn is not None:
         custom_name = getattr(custom_fn, "__name__", type(custom_fn).__name__)
         scorers: list[Callable] = [custom_fn] * n
         labels = [f"custom reward function '{custom_name}'"] * n
     else:
-        by_source = {ds: get_scorer(ds) for ds in dict.fromkeys(data_sources)}
+        by_source = {ds: _rule_scorer(ds, gsm8k_scorer) for ds in dict.fromkeys(data_sources)}
         scorers = [by_source[ds] for ds in data_sources]
         labels = [f"scorer for '{ds}'" for ds in data_sources]
 
