@@ -29,7 +29,7 @@ from backend.core.config import load_config  # noqa: E402
 from backend.core.runs import read_metrics  # noqa: E402
 from backend.engine.trainer import Trainer  # noqa: E402
 
-PHASES = ["gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "token_log", "step"]
+PHASES = ["gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "step"]
 
 # Qwen3-0.6B's architecture (the performance issue's workload), with random weights.
 QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,

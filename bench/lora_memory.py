@@ -50,7 +50,7 @@ def measure(model_dir: Path, prompts: Path, rank: int, device: str, small: bool)
     cfg = load_config(None, overrides)
     worker = ActorRolloutRefWorker(to_dict(cfg), 0, 1, *distributed.local_meeting_point(), device, total_steps=2)
     batch = reference_step.rollout_batch(worker, cfg)
-    metrics = worker.update_actor(batch, mini_rows=batch["responses"].shape[0])
+    metrics, _ = worker.update_actor(batch, mini_rows=batch["responses"].shape[0])
     row = {"lora_rank": rank,
            "trainable_params": sum(p.numel() for p in worker.actor.parameters() if p.requires_grad),
            "total_params": sum(p.numel() for p in worker.actor.parameters()),

@@ -94,7 +94,7 @@ def compare_first_step(cfg: Config, device: str) -> dict:
     try:
         batch = rollout_batch(worker, cfg)
         rows = batch["responses"].shape[0]
-        ours = worker.update_actor(batch, mini_rows=rows)
+        ours, _ = worker.update_actor(batch, mini_rows=rows)
         compute_dtype = str(worker.ref.model.embed_tokens.weight.dtype)  # the reference is stored in it
     finally:
         worker.shutdown()

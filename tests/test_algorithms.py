@@ -170,9 +170,14 @@ def test_a_batch_smaller_than_a_mini_batch_is_one_smaller_optimizer_step_split_e
     # dry run of bench/learning_gpu.sh crashed on the empty update this used to make.
     from backend.engine.worker_group import update_shards
 
-    batch = {"responses": torch.arange(12).view(6, 2), "advantages": torch.arange(6.0)}
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [0, 0], [1, 1], [1, 0]])
+    batch = {"responses": torch.arange(12).view(6, 2), "response_mask": mask, "advantages": torch.arange(6.0)}
     shards = update_shards(batch, mini_rows=16, epochs=1, shuffle=False, world_size=2)
-    assert [local for _, local in shards] == [3, 3]
+    assert [local for _, local, _ in shards] == [3, 3]
     assert shards[0][0]["advantages"].tolist() == [0, 1, 2] and shards[1][0]["advantages"].tolist() == [3, 4, 5]
+    # what every rank's losses divide by: the whole step's valid tokens and non-empty responses
+    assert shards[0][2] == shards[1][2] == [(8.0, 5.0)]
     full = update_shards(batch, mini_rows=2, epochs=2, shuffle=False, world_size=2)
-    assert full[0][0]["advantages"].tolist() == [0, 2, 4, 0, 2, 4] and [lr for _, lr in full] == [1, 1]
+    assert full[0][0]["advantages"].tolist() == [0, 2, 4, 0, 2, 4] and [lr for _, lr, _ in full] == [1, 1]
+    # mini-batches {0, 1}, {2, 3}, {4, 5}, twice: 3, 2 and 3 tokens in 2, 1 and 2 responses
+    assert full[1][2] == [(3.0, 2.0), (2.0, 1.0), (3.0, 2.0)] * 2

@@ -62,7 +62,10 @@ def assert_same_training(a: Path, b: Path, steps: list[int]) -> None:
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory, sample_sets) -> Path:
-    return train(tmp_path_factory.mktemp("dist") / "one", sample_sets, 1)
+    # The whole mini-batch in one micro-batch, where each of the two ranks runs two: the losses divide by
+    # the step's global token count, so responses of different lengths weigh the same either way.
+    return train(tmp_path_factory.mktemp("dist") / "one", sample_sets, 1,
+                 **{"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 4})
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +73,7 @@ def two_ranks(tmp_path_factory, sample_sets) -> Path:
     return train(tmp_path_factory.mktemp("dist") / "two", sample_sets, 2)
 
 
-def test_two_gloo_workers_train_exactly_as_one_on_the_same_global_batch(one_rank, two_ranks):
+def test_two_gloo_workers_with_two_micro_batches_each_train_exactly_as_one_with_one(one_rank, two_ranks):
     assert len(read_status(two_ranks)["workers"]) == 2
     assert len({w["pid"] for w in read_status(two_ranks)["workers"]}) == 2
     assert_same_training(one_rank, two_ranks, [1, 2])
@@ -274,8 +277,8 @@ def test_a_run_joins_an_existing_ray_cluster_by_address(tmp_path, sample_sets):
 RAY_START_RETRY = '''
 import subprocess
 import ray, psutil
-from backend import worker_group
-from backend.config import load_config
+from backend.engine import worker_group
+from backend.core.config import load_config
 
 real_init, calls = ray.init, []
 

@@ -217,7 +217,7 @@ def _update_cfg(sample_sets, **extra):
 
 def _update(worker: ActorRolloutRefWorker, batch: dict) -> tuple[dict, dict, dict]:
     """Metrics, the gradients the step used (clipped as it used them) and the weights after it."""
-    metrics = worker.update_actor(dict(batch), mini_rows=2)
+    metrics, _ = worker.update_actor(dict(batch), mini_rows=2)
     grads = {k: p.grad.full_tensor().clone() for k, p in worker.actor.named_parameters() if p.grad is not None}
     params = {k: p.full_tensor().clone() for k, p in worker.actor.named_parameters()}
     worker.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from backend.algos.losses import entropy_from_logits
@@ -63,6 +64,29 @@ def full_params(model) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor().clone() for k, v in model.named_parameters()}
 
 
+def test_token_mean_weighs_every_token_alike_whichever_micro_batch_it_falls_in(sample_sets, tiny_tokenizer):
+    """Rows of 3 and 4 tokens with advantages +1 and -1, on-policy (ratio 1): the token-mean loss is
+    -(3 - 4) / 7 = 1/7 whether the mini-batch runs as one micro-batch or as two, and so is its gradient. A
+    mean per micro-batch weighted by its rows would give (-1 + 1) / 2 = 0 for the two."""
+    def update(micro: int) -> dict[str, float]:
+        cfg = load_config(None, tiny_overrides(sample_sets, **{"actor_rollout_ref.actor.ppo_mini_batch_size": 1,
+                                                              "actor_rollout_ref.rollout.n": 2,
+                                                              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu":
+                                                                  micro}))
+        worker = one_rank_worker(cfg)
+        _, batch = padded_batch(tiny_tokenizer)
+        batch["ref_log_probs"] = worker.compute_ref_log_prob(batch)
+        batch["advantages"] = torch.tensor([[1.0] * 4, [-1.0] * 4])
+        metrics, _ = worker.update_actor(batch, mini_rows=2)
+        worker.shutdown()
+        return metrics
+
+    whole, split = update(2), update(1)
+    assert whole["actor/pg_loss"] == pytest.approx(1 / 7, abs=1e-6)
+    assert split["actor/pg_loss"] == pytest.approx(1 / 7, abs=1e-6)
+    assert split["actor/grad_norm"] == pytest.approx(whole["actor/grad_norm"], rel=1e-5)
+
+
 def test_one_update_changes_every_trainable_parameter_and_not_the_reference(sample_sets, tiny_tokenizer):
     cfg = load_config(None, tiny_overrides(sample_sets, **{"actor_rollout_ref.actor.ppo_mini_batch_size": 1,
                                                           "actor_rollout_ref.rollout.n": 2,
@@ -72,7 +96,7 @@ def test_one_update_changes_every_trainable_parameter_and_not_the_reference(samp
     _, batch = padded_batch(tiny_tokenizer)
     batch["ref_log_probs"] = worker.compute_ref_log_prob(batch)
     batch["advantages"] = torch.tensor([[1.0, 1.0, 1.0, 0.0], [-1.0, -1.0, -1.0, -1.0]])
-    metrics = worker.update_actor(batch, mini_rows=2)
+    metrics, _ = worker.update_actor(batch, mini_rows=2)
     after = full_params(worker.actor)
     assert [k for k in after if torch.equal(after[k], before[k])] == []
     assert all(torch.equal(v, ref_before[k]) for k, v in full_params(worker.ref).items())
@@ -95,16 +119,14 @@ def test_the_update_hands_back_log_probs_of_marked_rows_before_and_after_it_as_p
     batch["advantages"] = torch.tensor([[1.0] * 4, [-1.0] * 4, [0.5] * 4, [-2.0] * 4])
     expected_lp, expected_ent = worker.compute_log_prob(batch)
     batch["token_row"] = torch.tensor([-1, 1, -1, 0])  # the token view's rows 0 and 1 are rows 3 and 1
-    worker.update_actor(dict(batch), mini_rows=4)
-    rows, lps, ents, after = worker.update_log_probs()
-    order = rows.argsort()
-    assert rows[order].tolist() == [0, 1]
-    torch.testing.assert_close(lps[order], expected_lp[[3, 1]], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ents[order], expected_ent[[3, 1]], atol=1e-5, rtol=1e-5)
+    _, marked = worker.update_actor(dict(batch), mini_rows=4)
+    assert marked.rows.tolist() == [0, 1]
+    torch.testing.assert_close(marked.before, expected_lp[[3, 1]], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(marked.entropy, expected_ent[[3, 1]], atol=1e-5, rtol=1e-5)
     # "after" is under the updated weights: what a pass of its own gives now, and not what was before.
     updated, _ = worker.compute_log_prob(batch)
-    torch.testing.assert_close(after[order], updated[[3, 1]], atol=1e-6, rtol=1e-6)
-    assert not torch.allclose(after[order], expected_lp[[3, 1]])
+    torch.testing.assert_close(marked.after, updated[[3, 1]], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(marked.after, expected_lp[[3, 1]])
 
 
 def test_gathering_once_per_phase_on_one_rank_updates_exactly_as_gathering_layer_by_layer(sample_sets, tiny_tokenizer,
@@ -129,7 +151,7 @@ def test_gathering_once_per_phase_on_one_rank_updates_exactly_as_gathering_layer
     results = []
     for worker in (once, layerwise):
         batch["ref_log_probs"] = worker.compute_ref_log_prob(batch)
-        metrics = worker.update_actor(dict(batch), mini_rows=2)
+        metrics, _ = worker.update_actor(dict(batch), mini_rows=2)
         results.append((full_params(worker.actor), metrics, worker.compute_log_prob(batch)[0]))
     (params_a, metrics_a, lp_a), (params_b, metrics_b, lp_b) = results
     for k in params_a:

@@ -42,7 +42,7 @@ from backend.algos.losses import compute_value_loss
 from backend.core import checkpoint
 from backend.core.models import ModelError, resolve_model
 from backend.engine import distributed
-from backend.engine.rank import PeakMemory, RankWorker, lr_lambda, micro_batches, to_device
+from backend.engine.rank import PeakMemory, RankWorker, lr_lambda, micro_batches, step_counts, to_device
 
 Batch = dict[str, torch.Tensor]
 
@@ -50,7 +50,7 @@ REQUIRED_KEYS = ("model_path", "enable_gradient_checkpointing", "lr", "betas", "
                  "cliprange_value", "ppo_micro_batch_size_per_gpu", "loss_agg_mode", "param_dtype",
                  "offload_policy", "use_torch_compile", "seed")
 # The schedule is the actor's: constant after an optional linear warm-up, or cosine.
-OPTIONAL_KEYS = {"lr_warmup_steps": 0, "warmup_style": "constant", "min_lr_ratio": 0.0}
+OPTIONAL_KEYS = {"lr_warmup_steps": 0, "warmup_style": "constant", "min_lr_ratio": 0.0, "loss_scale_factor": None}
 
 
 def load_value_model(name_or_path: str, seed: int) -> torch.nn.Module:
@@ -171,43 +171,51 @@ class CriticWorker(RankWorker):
 
     # ---- the update ----
 
-    def update_critic(self, batch: Batch, mini_rows: int) -> dict[str, float]:
+    def update_critic(self, batch: Batch, mini_rows: int, counts: list[tuple[float, float]] | None = None
+                      ) -> dict[str, float]:
         """Clipped value-loss regression of V on the returns; returns this rank's critic/* metrics.
 
         batch: this rank's rows, already in update order (the controller repeats them for ppo_epochs and
         gives each rank an equal part of every mini-batch, as for the actor), holding input_ids,
         attention_mask, responses, response_mask, values (from compute_values before the update: the
-        centre of the value clip) and returns. Every `mini_rows` rows are one optimizer step; FSDP
-        averages the gradients over ranks, so a step's gradient is that of the whole mini-batch's mean loss.
+        centre of the value clip) and returns. Every `mini_rows` rows are one optimizer step; `counts` holds
+        each step's valid tokens and non-empty responses over all ranks (one rank alone counts its own), so
+        each micro-batch's loss is its share of the whole step's, as in the actor's update.
         """
         self._progress = ()
         c = self.cfg
         micro = c["ppo_micro_batch_size_per_gpu"]
         total = batch["responses"].shape[0]
         response_len = batch["responses"].shape[1]
+        counts = counts if counts is not None else step_counts(batch["response_mask"], mini_rows)
         n_micro_total = sum(math.ceil(min(mini_rows, total - s) / micro) for s in range(0, total, mini_rows))
         sums: dict[str, float] = {}
         steps = done = skipped = 0
         batch = to_device(batch, self.device)
         with self._phase("update_critic"):
-            for start in range(0, total, mini_rows):
+            for step, start in enumerate(range(0, total, mini_rows)):
                 mini = {k: v[start:start + mini_rows] for k, v in batch.items()}
-                rows = mini["responses"].shape[0]
+                num_tokens, num_seqs = counts[step]
                 self.optimizer.zero_grad(set_to_none=True)
                 step_metrics: dict[str, torch.Tensor] = {}
+                n_micro = 0
                 for mb in micro_batches(mini, micro):
                     vpreds = response_values(self.critic, mb["input_ids"], mb["attention_mask"], response_len)
                     loss, metrics = compute_value_loss(
                         vpreds, mb["returns"], mb["values"], mb["response_mask"],
-                        cliprange_value=c["cliprange_value"], loss_agg_mode=c["loss_agg_mode"])
-                    # Each micro-batch's mean is weighted by its share of the mini-batch, so the
-                    # accumulated gradient (and each metric) is that of the mini-batch's mean.
-                    share = mb["responses"].shape[0] / rows
-                    (loss * share).backward()
+                        cliprange_value=c["cliprange_value"], loss_agg_mode=c["loss_agg_mode"],
+                        num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=c["loss_scale_factor"])
+                    # FSDP averages the ranks' gradients: each rank's share of the step's loss counts
+                    # world_size times, so the average is the gradient of the whole step's loss.
+                    (loss * self.world_size).backward()
                     for k, v in metrics.items():
-                        step_metrics[k] = step_metrics.get(k, 0.0) + v.float() * share
+                        # The loss adds up over the step's micro-batches; the rates are averaged below.
+                        scale = self.world_size if k == "critic/vf_loss" else 1.0
+                        step_metrics[k] = step_metrics.get(k, 0.0) + v.float() * scale
+                    n_micro += 1
                     done += 1
                     self._report("the critic update", done, n_micro_total)
+                step_metrics = {k: v if k == "critic/vf_loss" else v / n_micro for k, v in step_metrics.items()}
                 grad_norm = distributed.global_grad_norm(self.critic.parameters(), c["grad_clip"])
                 # One wait for the device per optimizer step: the metrics come over with the norm, which
                 # the finiteness check has to read anyway.

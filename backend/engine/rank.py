@@ -5,6 +5,7 @@ controller makes on any rank while another call runs."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import os
@@ -108,3 +109,35 @@ class RankWorker:
 
 def node_ip() -> str:
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
+def step_counts(response_mask: torch.Tensor, rows_per_step: int) -> list[tuple[float, float]]:
+    """(valid tokens, non-empty responses) of each optimizer step's rows, in order: what the update's losses
+    divide by (num_tokens and num_seqs of algos.losses.agg_loss). Given all of a step's rows, over every rank."""
+    return [(float(m.sum()), float((m.sum(-1) > 0).sum())) for m in response_mask.split(rows_per_step)]
+
+
+@dataclasses.dataclass
+class MarkedRows:
+    """What the actor's update computed for the rows marked with `token_row` (the token view's), in mark
+    order: the marks (k,), their log-probs under the updated weights (k, R), and, when the update was one
+    optimizer step, the log-probs and entropies of its forward, which were the rows' values before it
+    (k, R each; None otherwise: the old log-probs pass has them then)."""
+
+    rows: torch.Tensor
+    after: torch.Tensor
+    before: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+def concat_marked(parts: list[MarkedRows | None]) -> MarkedRows | None:
+    """Every rank's marked rows as one, in mark order."""
+    parts = [p for p in parts if p is not None and len(p.rows)]
+    if not parts:
+        return None
+    rows = torch.cat([p.rows for p in parts])
+    order = rows.argsort()
+    one_step = all(p.before is not None for p in parts)
+    return MarkedRows(rows[order], torch.cat([p.after for p in parts])[order],
+                      torch.cat([p.before for p in parts])[order] if one_step else None,
+                      torch.cat([p.entropy for p in parts])[order] if one_step else None)

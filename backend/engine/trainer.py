@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import gc
 import json
-import math
 import os
 import random
 import shutil
@@ -39,7 +38,9 @@ from backend.core.runs import NICE_ENV, RunDir, latest_checkpoint, new_run_dir, 
 from backend.engine.checks import check_or_raise, resume_problems
 from backend.engine.evaluation import evaluate
 from backend.engine.inference import Generator
-from backend.engine.rank import freeze_heap
+from backend.engine.rank import MarkedRows, freeze_heap
+from backend.engine.step_log import TableWriter, rollout_rows, token_rows
+from backend.engine.step_metrics import batch_metrics, stats, summary_line, timer
 from backend.engine.worker_group import WorkerError, WorkerGroup
 from backend.rewards.registry import load_custom_reward
 from backend.rewards.scoring import ScoredBatch, concat_scored, from_scores, score_batch, weighted_sum
@@ -56,23 +57,10 @@ class NonFiniteError(RuntimeError):
     """An update met a non-finite loss or gradient and actor_rollout_ref.actor.nan_policy=stop."""
 
 
-@contextmanager
-def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
-    start = time.perf_counter()
-    yield
-    timings[f"timing_s/{name}"] = timings.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
-    values = values.float()
-    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
-            f"{prefix}/min": values.min().item()}
 
 
 class Trainer:
@@ -93,6 +81,9 @@ class Trainer:
             raise ConfigError([f"run directory {run_dir} is in use by a running process (pid {status['pid']})"])
         self.cfg = cfg
         self.clip_low, self.clip_high = cfg.actor_rollout_ref.actor.clip_range()
+        self.has_critic = uses_critic(cfg)
+        self.remax = cfg.algorithm.adv_estimator == "remax"
+        self.optimizer_steps = batch_plan(cfg).optimizer_steps_per_step
         self.run = RunDir(run_dir)
         self.show_progress = show_progress
         self._last_stage_write = 0.0
@@ -283,150 +274,93 @@ class Trainer:
         self.tracking.log(metrics, metrics["step"])
 
     def train_step(self, step: int) -> dict[str, float]:
+        """One step of the algorithm: rollout, reward, log-probs, advantages, update, metrics."""
         cfg = self.cfg
-        arr = cfg.actor_rollout_ref
         timings: dict[str, float] = {}
         # Sampling depends only on (seed, step), so a resumed run draws what an uninterrupted one would.
-        seed_everything(cfg.trainer.seed * 1_000_003 + step)
+        seed_everything(self._seed(step))
+        epoch = self.sampler.epoch
         with timer("step", timings):
-            # ---- prompts, rollout, reward ----
-            epoch = self.sampler.epoch
-            params = SamplingParams(n=arr.rollout.n, temperature=arr.rollout.temperature, top_p=arr.rollout.top_p,
-                                    top_k=arr.rollout.top_k, max_new_tokens=cfg.data.max_response_length,
-                                    seed=cfg.trainer.seed * 1_000_003 + step, ignore_eos=arr.rollout.ignore_eos)
-            items, batch, scoring = self._sample_and_score(params, timings)
-            group_ids = batch.prompt_index
+            # ---- rollout: n responses per prompt; the rule scorers start on a thread ----
+            rollout = self._rollout(step, timings)
+            batch, group_ids = rollout.batch, rollout.batch.prompt_index
             response_mask = batch.response_mask.float()  # (B, R)
-            rows = [items[i] for i in group_ids.tolist()]
             tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                        "responses": batch.responses, "response_mask": batch.response_mask}
-            if batch.rollout_log_probs is not None:
-                # The engine's own log-probs (vllm): the update corrects for their mismatch with the
-                # trainer's (algorithm.rollout_correction) and logs it as rollout/*.
+            if batch.rollout_log_probs is not None:  # the engine's own (vLLM): the update corrects for them
                 tensors["rollout_log_probs"] = batch.rollout_log_probs
 
-            # ---- log-probs ----
-            plan = batch_plan(cfg)
-            # On-policy with one optimizer step: old log-probs equal the current ones, so the ratio
-            # is exactly 1 and the update computes them itself; skip the extra forward pass.
-            if plan.optimizer_steps_per_step > 1:
-                with timer("old_log_prob", timings):
-                    self.stage("computing old log-probs", force=True)
-                    tensors["old_log_probs"], _ = self.workers.compute_log_prob(tensors)
+            # ---- log-probs (while the scorers run) ----
+            old_entropy = None
+            if self.optimizer_steps > 1:
+                # With one optimizer step the update is on-policy: the old log-probs equal its own first
+                # forward's, the ratio is exactly 1, and this pass would be wasted.
+                with self._phase("old_log_prob", "computing old log-probs", timings):
+                    tensors["old_log_probs"], old_entropy = self.workers.compute_log_prob(tensors)
             if self.has_ref:
-                with timer("ref", timings):
-                    self.stage("computing reference log-probs", force=True)
+                with self._phase("ref", "computing reference log-probs", timings):
                     tensors["ref_log_probs"] = self.workers.compute_ref_log_prob(tensors)
-
-            # ---- scores (computed while the log-probs were) ----
-            texts, scored = scoring()
-            scores = torch.tensor(scored.scores, dtype=torch.float32)  # (B,)
-            shaping: dict[str, float] = {}
-            ob = cfg.reward.overlong_buffer
-            if ob.enable:
-                penalty = overlong_penalty(response_mask.sum(-1), cfg.data.max_response_length, ob.len,
-                                                 ob.penalty_factor)
-                scores = scores + penalty
-                shaping["reward/overlong_penalty/mean"] = penalty.mean().item()
-                shaping["reward/overlong_penalty/frac"] = (penalty < 0).float().mean().item()
-            token_level_scores = _place_at_last_token(scores, response_mask)  # (B, R)
-
-            reward_baselines = None
-            if cfg.algorithm.adv_estimator == "remax":
-                with timer("gen_baseline", timings):
-                    reward_baselines = self._greedy_baselines(items, params)[group_ids]
-            if uses_critic(cfg):
-                with timer("values", timings):
-                    self.stage("computing critic values", force=True)
+            if self.has_critic:
+                with self._phase("values", "computing critic values", timings):
                     tensors["values"] = self.workers.compute_values(tensors)
+
+            # ---- reward ----
+            texts, scored = self._wait(rollout.scoring)
+            token_level_rewards, reward_metrics = self._rewards(scored, tensors, response_mask, len(rollout.items))
+            baselines = self._greedy_baselines(rollout.items, step, timings)[group_ids] if self.remax else None
 
             # ---- advantages ----
             with timer("adv", timings):
-                kl_metrics: dict[str, float] = {}
-                token_level_rewards = token_level_scores
-                if cfg.algorithm.use_kl_in_reward:
-                    old = tensors.get("old_log_probs")
-                    if old is None:
-                        old, _ = self.workers.compute_log_prob(tensors)
-                    token_level_rewards, kl_metrics = apply_kl_penalty(
-                        token_level_scores, old, tensors["ref_log_probs"], response_mask, self.kl_ctrl.value,
-                        cfg.algorithm.kl_penalty)
-                    self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=len(items))
-                advantages, returns = compute_advantage(
-                    cfg.algorithm.adv_estimator, token_level_rewards=token_level_rewards,
-                    response_mask=response_mask, group_ids=group_ids, values=tensors.get("values"),
-                    reward_baselines=reward_baselines, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
-                    norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
-                tensors["advantages"] = advantages
+                a = cfg.algorithm
+                tensors["advantages"], tensors["returns"] = compute_advantage(
+                    a.adv_estimator, token_level_rewards=token_level_rewards, response_mask=response_mask,
+                    group_ids=group_ids, values=tensors.get("values"), reward_baselines=baselines, gamma=a.gamma,
+                    lam=a.lam, norm_adv_by_std=a.norm_adv_by_std_in_grpo)
 
             # ---- update ----
-            a = arr.actor
-            mini_rows = a.ppo_mini_batch_size * arr.rollout.n
-            critic_metrics: dict[str, float] = {}
-            if uses_critic(cfg):
-                with timer("update_critic", timings):
-                    self.stage("updating the critic", force=True)
-                    tensors["returns"] = returns
-                    critic_metrics = self.workers.update_critic(tensors, mini_rows=mini_rows, epochs=a.ppo_epochs,
-                                                                shuffle=a.shuffle)
-                    critic_metrics["critic/explained_variance"] = explained_variance(
-                        tensors["values"], returns, response_mask).item()
-            # PPO's critic warm-up: the first trainer.critic_warmup steps fit the values and leave the policy.
-            train_actor = not uses_critic(cfg) or step > cfg.trainer.critic_warmup
-            token_sample = None
-            actor_metrics: dict[str, float] = {}
-            if train_actor:
-                # With one optimizer step the update's own forward gives the token view's "before" values.
-                one_step = plan.optimizer_steps_per_step == 1
-                with timer("token_log", timings):
-                    token_sample = self._token_sample(tensors, from_update=one_step)
-                marked = ({"token_row": _token_row_marks(len(tensors["responses"]), len(token_sample["responses"]))}
-                          if one_step and token_sample is not None else {})
-                with timer("update_actor", timings):
-                    actor_metrics = self.workers.update_actor(
-                        {**tensors, **marked}, mini_rows=mini_rows, epochs=a.ppo_epochs, shuffle=a.shuffle,
-                        progress=lambda d, n: self.stage(f"updating micro-batch {d}/{n} (rank 0)"))
-                self._check_finite(step, actor_metrics)
-            if token_sample is not None:
-                with timer("token_log", timings):
-                    if one_step:
-                        before, entropy, after = self.workers.update_log_probs()
-                        token_sample.update(before_log_probs=before, entropy=entropy)
-                    else:
-                        after, _ = self.workers.compute_log_prob(token_sample)
-                    self.tables.submit(step, lambda: self.run.write_token_log(step, self._token_rows(token_sample,
-                                                                                                      after)))
+            update_metrics, marked = self._update(step, tensors, timings)
 
-        # ---- metrics and rollouts ----
-        metrics = {"step": step, "epoch": epoch, "time": time.time(), **actor_metrics, **critic_metrics, **kl_metrics,
-                   **scored.metrics, **shaping, **timings}
-        if cfg.algorithm.filter_groups.enable:
-            metrics.update(self._filter_stats)
-        if reward_baselines is not None:
-            metrics["reward/greedy_baseline/mean"] = reward_baselines.mean().item()
-        if "values" in tensors:
-            metrics.update(_stats("critic/values", tensors["values"][response_mask.bool()]))
-        metrics.update(batch_metrics(batch, scores, token_level_rewards, advantages, returns, group_ids,
-                                     cfg.data.max_response_length))
-        metrics["perf/total_num_tokens"] = int(batch.attention_mask.sum())
-        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / timings["timing_s/step"]
+        # ---- metrics and tables ----
+        metrics = {"step": step, "epoch": epoch, "time": time.time(), **update_metrics, **reward_metrics,
+                   **scored.metrics, **rollout.metrics, **timings}
+        if baselines is not None:
+            metrics["reward/greedy_baseline/mean"] = baselines.mean().item()
         if scored.first_error:
             metrics["reward/first_error"] = scored.first_error
-        if cfg.trainer.rollout_log_max:
-            self.tables.submit(step, lambda: self.run.write_rollouts(step, rollout_rows(
-                step, rows, texts, scored, advantages, batch, cfg.trainer.rollout_log_max)))
+        if self.has_critic:
+            metrics.update(stats("critic/values", tensors["values"][response_mask.bool()]))
+        metrics.update(batch_metrics(batch, torch.tensor(scored.scores), token_level_rewards, tensors["advantages"],
+                                     tensors["returns"], group_ids, cfg.data.max_response_length))
+        metrics["perf/total_num_tokens"] = int(batch.attention_mask.sum())
+        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / timings["timing_s/step"]
+        self._write_tables(step, rollout, texts, scored, tensors, marked, old_entropy)
         return metrics
 
-    def _sample_and_score(self, params: SamplingParams, timings: dict[str, float]
-                          ) -> tuple[list[dict], RolloutBatch, Callable[[], tuple[list[str], ScoredBatch]]]:
-        """The step's prompts, their responses, and a function that returns the responses as text and
-        their scores. The rule scorers run on a thread while the caller goes on to the log-prob passes
-        (as verl's launch_reward_fn_async), so a slow reward costs no time while the workers are busy;
-        the function waits for them. With algorithm.filter_groups (DAPO's dynamic sampling), which needs
-        the scores to choose the rows, or a reward model, which runs on the workers, scoring happens
-        here: a group whose responses all score the same is dropped (its advantages are all 0) and more
-        prompts are drawn, up to max_num_gen_batches rounds, until data.train_batch_size groups are kept."""
-        fg = self.cfg.algorithm.filter_groups
+    @contextmanager
+    def _phase(self, name: str, stage: str, timings: dict[str, float]) -> Iterator[None]:
+        """A timed phase of the step (timing_s/<name>), shown on the dashboard's stage line meanwhile."""
+        self.stage(stage, force=True)
+        with timer(name, timings):
+            yield
+
+    def _seed(self, step: int) -> int:
+        return self.cfg.trainer.seed * 1_000_003 + step
+
+    def _sampling(self, step: int) -> SamplingParams:
+        r, cfg = self.cfg.actor_rollout_ref.rollout, self.cfg
+        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=cfg.data.max_response_length, seed=self._seed(step),
+                              ignore_eos=r.ignore_eos)
+
+    def _rollout(self, step: int, timings: dict[str, float]) -> Rollout:
+        """The step's prompts and their responses, and the responses' text and scores as a future. The rule
+        scorers run on a thread while the workers compute log-probs (as verl's launch_reward_fn_async), so a
+        slow reward costs no time while the workers are busy. With algorithm.filter_groups (DAPO's dynamic
+        sampling), which needs the scores to choose the rows, or a reward model, which runs on the workers,
+        scoring happens here: a group whose responses all score the same is dropped (its advantages are all
+        0) and more prompts are drawn, up to max_num_gen_batches rounds, until data.train_batch_size groups
+        are kept."""
+        fg, params = self.cfg.algorithm.filter_groups, self._sampling(step)
         want = self.cfg.data.train_batch_size
         kept_items: list[dict] = []
         kept_batches: list[tuple[RolloutBatch, torch.Tensor]] = []
@@ -441,12 +375,12 @@ class Trainer:
                 batch = self.rollout.generate([it["prompt_ids"] for it in items], round_params,
                                               progress=self._generation_stage)
             if not fg.enable and not self.cfg.reward_model.enable:
-                return items, batch, _in_background(functools.partial(self._decode_and_score, items, batch, timings),
-                                                    on_wait=lambda: self.stage("scoring", force=True))
+                return Rollout(items, batch, in_background(functools.partial(self._decode_and_score, items, batch,
+                                                                             timings)))
             self.stage("scoring", force=True)
             texts, scored = self._decode_and_score(items, batch, timings)
             if not fg.enable:
-                return items, batch, _ready((texts, scored))
+                return Rollout(items, batch, finished((texts, scored)))
             keep = groups_with_signal(torch.tensor(scored.scores), batch.prompt_index)
             groups = batch.prompt_index[keep].unique().tolist()[:want - len(kept_items)]
             chosen = torch.nonzero(torch.isin(batch.prompt_index, torch.tensor(groups, dtype=torch.long))).flatten()
@@ -454,15 +388,86 @@ class Trainer:
             kept_batches.append((batch, chosen))
             kept_scores.append((scored, chosen.tolist()))
             kept_texts += [texts[i] for i in chosen.tolist()]
-            self._filter_stats = {"batch/dynamic_sampling_rounds": round_ + 1, "batch/kept_groups": len(kept_items)}
             if len(kept_items) >= want:
                 break
         if not kept_items:
             raise RuntimeError(f"algorithm.filter_groups: every group of {rounds} generation round(s) scored the "
                                "same for all its responses, so no step can learn from them; raise "
                                "algorithm.filter_groups.max_num_gen_batches or rollout.n, or check the reward")
-        scored = concat_scored(kept_scores)
-        return kept_items, concat_rows(kept_batches, self.tokenizer.pad_token_id), _ready((kept_texts, scored))
+        return Rollout(kept_items, concat_rows(kept_batches, self.tokenizer.pad_token_id),
+                       finished((kept_texts, concat_scored(kept_scores))),
+                       {"batch/dynamic_sampling_rounds": round_ + 1, "batch/kept_groups": len(kept_items)})
+
+    def _wait(self, scoring: concurrent.futures.Future) -> tuple[list[str], ScoredBatch]:
+        if not scoring.done():
+            self.stage("scoring", force=True)
+        return scoring.result()
+
+    def _rewards(self, scored: ScoredBatch, tensors: dict[str, torch.Tensor], response_mask: torch.Tensor,
+                 prompts: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """(B, R) token-level rewards: each response's score (with DAPO's overlong penalty when asked) on its
+        last token, less the KL penalty when algorithm.use_kl_in_reward; and what shaped them."""
+        cfg, metrics = self.cfg, {}
+        scores = torch.tensor(scored.scores, dtype=torch.float32)  # (B,)
+        ob = cfg.reward.overlong_buffer
+        if ob.enable:
+            penalty = overlong_penalty(response_mask.sum(-1), cfg.data.max_response_length, ob.len, ob.penalty_factor)
+            scores = scores + penalty
+            metrics["reward/overlong_penalty/mean"] = penalty.mean().item()
+            metrics["reward/overlong_penalty/frac"] = (penalty < 0).float().mean().item()
+        rewards = _place_at_last_token(scores, response_mask)
+        if cfg.algorithm.use_kl_in_reward:
+            old = tensors.get("old_log_probs")
+            if old is None:
+                old, _ = self.workers.compute_log_prob(tensors)
+            rewards, kl_metrics = apply_kl_penalty(rewards, old, tensors["ref_log_probs"], response_mask,
+                                                   self.kl_ctrl.value, cfg.algorithm.kl_penalty)
+            self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=prompts)
+            metrics.update(kl_metrics)
+        return rewards, metrics
+
+    def _update(self, step: int, tensors: dict[str, torch.Tensor], timings: dict[str, float]
+                ) -> tuple[dict[str, float], MarkedRows | None]:
+        """PPO's updates: the critic's when there is one, then the actor's, unless the critic is still warming
+        up (its first trainer.critic_warmup steps fit the values and leave the policy). The actor's update
+        also returns what the token view needs of its first rows."""
+        a, metrics = self.cfg.actor_rollout_ref.actor, {}
+        shape = {"mini_rows": a.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n, "epochs": a.ppo_epochs,
+                 "shuffle": a.shuffle}
+        if self.has_critic:
+            with self._phase("update_critic", "updating the critic", timings):
+                metrics.update(self.workers.update_critic(tensors, **shape))
+            metrics["critic/explained_variance"] = explained_variance(
+                tensors["values"], tensors["returns"], tensors["response_mask"]).item()
+            if step <= self.cfg.trainer.critic_warmup:
+                return metrics, None
+        k = min(self.cfg.trainer.token_log_max, self.cfg.trainer.rollout_log_max, len(tensors["responses"]))
+        marks = {"token_row": token_row_marks(len(tensors["responses"]), k)} if k else {}
+        with timer("update_actor", timings):
+            actor_metrics, marked = self.workers.update_actor(
+                {**tensors, **marks}, **shape,
+                progress=lambda done, total: self.stage(f"updating micro-batch {done}/{total} (rank 0)"))
+        self._check_finite(step, actor_metrics)
+        return {**metrics, **actor_metrics}, marked
+
+    def _write_tables(self, step: int, rollout: Rollout, texts: list[str], scored: ScoredBatch,
+                      tensors: dict[str, torch.Tensor], marked: MarkedRows | None,
+                      old_entropy: torch.Tensor | None) -> None:
+        """Queue the step's rollout table and token view for the writer thread (off the step's path). The
+        token view's "before" comes from the update's own forward when the update was one optimizer step,
+        else from the old log-probs pass; its "after" from the update's last pass."""
+        batch = rollout.batch
+        if self.cfg.trainer.rollout_log_max:
+            rows = [rollout.items[i] for i in batch.prompt_index.tolist()]
+            self.tables.submit(step, lambda: self.run.write_rollouts(step, rollout_rows(
+                step, rows, texts, scored, tensors["advantages"], batch, self.cfg.trainer.rollout_log_max)))
+        if marked is not None:
+            k = len(marked.rows)
+            sample = {key: value[:k] for key, value in tensors.items()}
+            sample["before_log_probs"] = marked.before if marked.before is not None else tensors["old_log_probs"][:k]
+            sample["entropy"] = marked.entropy if marked.entropy is not None else old_entropy[:k]
+            self.tables.submit(step, lambda: self.run.write_token_log(step, token_rows(
+                sample, marked.after, self.tokenizer, self.clip_low, self.clip_high)))
 
     def _decode_and_score(self, items: list[dict], batch: RolloutBatch, timings: dict[str, float]
                           ) -> tuple[list[str], ScoredBatch]:
@@ -470,12 +475,12 @@ class Trainer:
             texts = self._decode(batch)
             return texts, self._score([items[i] for i in batch.prompt_index.tolist()], texts)
 
-    def _greedy_baselines(self, items: list[dict], params: SamplingParams) -> torch.Tensor:
+    def _greedy_baselines(self, items: list[dict], step: int, timings: dict[str, float]) -> torch.Tensor:
         """ReMax's baseline: the score of one greedy response per prompt, (prompts,)."""
-        self.stage("generating greedy baselines", force=True)
-        greedy = dataclasses.replace(params, n=1, greedy=True)
-        batch = self.rollout.generate([it["prompt_ids"] for it in items], greedy)
-        return torch.tensor(self._score(items, self._decode(batch)).scores, dtype=torch.float32)
+        with self._phase("gen_baseline", "generating greedy baselines", timings):
+            greedy = dataclasses.replace(self._sampling(step), n=1, greedy=True)
+            batch = self.rollout.generate([it["prompt_ids"] for it in items], greedy)
+            return torch.tensor(self._score(items, self._decode(batch)).scores, dtype=torch.float32)
 
     def _decode(self, batch: RolloutBatch) -> list[str]:
         return self.tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)
@@ -486,8 +491,8 @@ class Trainer:
         r = self.cfg.reward
         args = ([row["data_source"] for row in rows], texts, [row["ground_truth"] for row in rows],
                 [row["extra_info"] for row in rows])
-        rule = (score_batch(*args, custom_fn=self.custom_fn, timeout_s=r.timeout_s) if r.rule_weight
-                else from_scores([0.0] * len(texts)))
+        rule = (score_batch(*args, custom_fn=self.custom_fn, gsm8k_scorer=r.gsm8k_scorer, timeout_s=r.timeout_s)
+                if r.rule_weight else from_scores([0.0] * len(texts)))
         terms = [("rule", r.rule_weight, rule)]
         for (name, fn), weight in zip(self.reward_fns, r.weights or [1.0] * len(self.reward_fns), strict=True):
             terms.append((name, weight, score_batch(*args, custom_fn=fn, timeout_s=r.timeout_s)))
@@ -501,7 +506,7 @@ class Trainer:
         skipped = int(actor_metrics.get("actor/skipped_steps", 0))
         if not skipped:
             return
-        total = batch_plan(self.cfg).optimizer_steps_per_step
+        total = self.optimizer_steps
         message = (f"step {step}: {skipped} of {total} optimizer step(s) met a non-finite loss or gradient norm "
                    f"(grad_norm {actor_metrics.get('actor/grad_norm')})")
         if self.cfg.actor_rollout_ref.actor.nan_policy == "stop":
@@ -511,43 +516,6 @@ class Trainer:
         warnings = [*warnings, f"{message}: skipped (actor_rollout_ref.actor.nan_policy=skip)"][-20:]
         self.run.write_status("running", warnings=warnings)
         print(f"warning: {warnings[-1]}", flush=True)
-
-    # ---- the token view's data ----
-
-    def _token_sample(self, tensors: dict[str, torch.Tensor], from_update: bool) -> dict[str, torch.Tensor] | None:
-        """The first trainer.token_log_max responses, with their log-probs and entropy before the update
-        unless they come `from_update` (its first forward, read after it by update_log_probs)."""
-        k = min(self.cfg.trainer.token_log_max, self.cfg.trainer.rollout_log_max, len(tensors["responses"]))
-        if k == 0:
-            return None
-        sample = {key: value[:k] for key, value in tensors.items()}
-        if not from_update:
-            sample["before_log_probs"], sample["entropy"] = self.workers.compute_log_prob(sample)
-        return sample
-
-    def _token_rows(self, sample: dict[str, torch.Tensor], after: torch.Tensor) -> dict[str, list]:
-        """Per-token quantities of the sampled responses; `clipped` marks tokens whose ratio after the
-        update (`after`: their log-probs then, (k, R)) lies outside the clip range in the direction the
-        advantage pushes (where PPO stops)."""
-        before, adv = sample["before_log_probs"], sample["advantages"]
-        ratio = torch.exp(after - before)
-        clipped = ((adv > 0) & (ratio > 1 + self.clip_high)) | ((adv < 0) & (ratio < 1 - self.clip_low))
-        ref = sample.get("ref_log_probs")
-        rows: dict[str, list] = {key: [] for key in ("row", "token_ids", "tokens", "log_prob", "ref_log_prob", "kl",
-                                                     "entropy", "advantage", "clipped")}
-        for i in range(len(before)):
-            n = int(sample["response_mask"][i].sum())
-            ids = sample["responses"][i, :n].tolist()
-            rows["row"].append(i)
-            rows["token_ids"].append(ids)
-            rows["tokens"].append([self.tokenizer.decode([t]) for t in ids])
-            rows["log_prob"].append(before[i, :n].tolist())
-            rows["ref_log_prob"].append(ref[i, :n].tolist() if ref is not None else [None] * n)
-            rows["kl"].append((before[i, :n] - ref[i, :n]).tolist() if ref is not None else [None] * n)
-            rows["entropy"].append(sample["entropy"][i, :n].tolist())
-            rows["advantage"].append(adv[i, :n].tolist())
-            rows["clipped"].append(clipped[i, :n].tolist())
-        return rows
 
     # ---- validation, checkpoints, export ----
 
@@ -634,69 +602,43 @@ class Trainer:
 
 # ---- helpers of the loop ----
 
-def _token_row_marks(rows: int, k: int) -> torch.Tensor:
+@dataclasses.dataclass
+class Rollout:
+    """A step's rollout: its prompts, their responses, and the responses' text and scores (a future while the
+    scorers run); `metrics` says what dynamic sampling did."""
+
+    items: list[dict]
+    batch: RolloutBatch
+    scoring: concurrent.futures.Future
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def token_row_marks(rows: int, k: int) -> torch.Tensor:
     """(rows,) int64: i for the token view's i-th response (the first k), -1 for the others."""
     marks = torch.arange(rows)
     marks[k:] = -1
     return marks
 
 
-def _ready(value: T) -> Callable[[], T]:
-    return lambda: value
+def finished(value: T) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
 
 
-def _in_background(fn: Callable[[], T], on_wait: Callable[[], None]) -> Callable[[], T]:
-    """fn() started on a daemon thread (a hung reward function must not keep the process alive); the
-    returned function waits for its result, calling on_wait first if it is not ready, or raises what fn
-    raised."""
-    outcome: dict = {}
+def in_background(fn: Callable[[], T]) -> concurrent.futures.Future:
+    """fn() on a daemon thread, as a future: a hung reward function must not keep the process alive at its
+    end (a pool's threads are joined at exit)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:
         try:
-            outcome["value"] = fn()
+            future.set_result(fn())
         except BaseException as e:  # handed to the waiting caller
-            outcome["error"] = e
+            future.set_exception(e)
 
-    thread = threading.Thread(target=run, name="scoring", daemon=True)
-    thread.start()
-
-    def result() -> T:
-        if thread.is_alive():
-            on_wait()
-        while thread.is_alive():
-            thread.join(0.1)  # in slices, so a stop signal reaches the main thread while it waits
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["value"]
-
-    return result
-
-
-class TableWriter:
-    """Writes a step's tables (the rollouts and the token view: decoding, building, parquet) on one
-    thread, in order, off the step's path: they are written while the next step generates."""
-
-    def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tables")
-        self._pending: list[tuple[int, concurrent.futures.Future]] = []
-
-    def submit(self, step: int, write: Callable[[], object]) -> None:
-        """Queue `write` for `step`, once every earlier step's writes are done (at most one step behind)."""
-        self.wait(before_step=step)
-        self._pending.append((step, self._pool.submit(write)))
-
-    def wait(self, before_step: int | None = None) -> None:
-        """Wait for the writes of the steps before `before_step` (all by default); raise what one raised."""
-        waiting = [(s, f) for s, f in self._pending if before_step is None or s < before_step]
-        self._pending = [(s, f) for s, f in self._pending if before_step is not None and s >= before_step]
-        for _, future in waiting:
-            future.result()
-
-    def finish(self) -> None:
-        """Let the queued writes end, without raising their errors: a stopped or failed run records its
-        own end, and a run that succeeded has waited (and raised) before its last checkpoint."""
-        concurrent.futures.wait([f for _, f in self._pending])
-        self._pending = []
+    threading.Thread(target=run, name="scoring", daemon=True).start()
+    return future
 
 
 def _place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -705,66 +647,6 @@ def _place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> t
     last = (response_mask.sum(-1).long() - 1).clamp(min=0)
     out[torch.arange(len(scores)), last] = scores * (response_mask.sum(-1) > 0)
     return out
-
-
-def batch_metrics(batch: RolloutBatch, scores: torch.Tensor, token_level_rewards: torch.Tensor,
-                  advantages: torch.Tensor, returns: torch.Tensor, group_ids: torch.Tensor,
-                  max_response_length: int) -> dict[str, float]:
-    """verl's data metrics: score, reward, advantage, return and length statistics of one step."""
-    mask = batch.response_mask.bool()
-    lengths = batch.response_mask.sum(-1)
-    prompt_lengths = batch.attention_mask[:, : batch.prompt_length].sum(-1)
-    m = {}
-    m.update(_stats("critic/score", scores))
-    m.update(_stats("critic/rewards", token_level_rewards.sum(-1)))
-    m.update(_stats("critic/advantages", advantages[mask]))
-    m.update(_stats("critic/returns", returns[mask]))
-    m.update(_stats("response_length", lengths))
-    m["response_length/clip_ratio"] = (lengths >= max_response_length).float().mean().item()
-    m.update(_stats("prompt_length", prompt_lengths))
-    groups = [scores[group_ids == g] for g in group_ids.unique()]
-    m["batch/zero_spread_groups"] = sum(bool((g == g[0]).all()) for g in groups) / len(groups)
-    m["batch/solve_all"] = sum(bool((g >= 1).all()) for g in groups) / len(groups)
-    m["batch/solve_none"] = sum(bool((g <= 0).all()) for g in groups) / len(groups)
-    return m
-
-
-def rollout_rows(step: int, rows: list[dict], texts: list[str], scored: ScoredBatch,
-                 advantages: torch.Tensor, batch: RolloutBatch, limit: int) -> dict[str, list]:
-    """The rollouts/step_N.parquet table: one row per sampled response (first `limit`)."""
-    n = min(limit, len(texts))
-    lengths = batch.response_mask.sum(-1).tolist()
-    part_names = sorted({k for p in scored.parts for k in p})
-    out: dict[str, list] = {
-        "step": [step] * n,
-        "group": batch.prompt_index[:n].tolist(),
-        "data_source": [r["data_source"] for r in rows[:n]],
-        "index": [int(r["index"]) for r in rows[:n]],
-        "prompt": [r["prompt_text"] for r in rows[:n]],
-        "response": texts[:n],
-        "ground_truth": [str(r["ground_truth"]) for r in rows[:n]],
-        "pred": [p if p is None else str(p) for p in scored.preds[:n]],
-        "reward": scored.scores[:n],
-        "advantage": [float(advantages[i][: max(lengths[i], 1)].mean()) for i in range(n)],
-        "response_length": [int(x) for x in lengths[:n]],
-        "finish_reason": batch.finish_reasons[:n],
-    }
-    for name in part_names:
-        out[f"reward_{name}"] = [float(p.get(name, math.nan)) for p in scored.parts[:n]]
-    return out
-
-
-def summary_line(m: dict, total: int) -> str:
-    """One line per step for the console."""
-    def g(key: str, fmt: str = ".3f") -> str:
-        v = m.get(key)
-        return "-" if v is None else format(v, fmt)
-    line = (f"step {m['step']}/{total} | score {g('critic/score/mean')} | kl {g('actor/kl_loss', '.4f')} | "
-            f"pg_loss {g('actor/pg_loss', '.4f')} | len {g('response_length/mean', '.1f')} | "
-            f"gen {g('timing_s/gen', '.1f')}s | step {g('timing_s/step', '.1f')}s")
-    if "val/accuracy" in m:
-        line += f" | val acc {g('val/accuracy')}"
-    return line
 
 
 def _install_stop_handlers():

@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from backend.core.config import Config, to_dict, uses_critic
 from backend.engine import distributed
+from backend.engine.rank import MarkedRows, concat_marked, step_counts
 from backend.rollout.base import RolloutBatch, SamplingParams, left_pad, right_pad
 
 Batch = dict[str, torch.Tensor]
@@ -357,21 +358,15 @@ class WorkerGroup:
         return torch.cat(self._each("compute_ref_log_prob", [(s,) for s in shards], "reference log-probs"))[:n]
 
     def update_actor(self, batch: Batch, mini_rows: int, epochs: int, shuffle: bool,
-                     progress=None) -> dict[str, float]:
+                     progress=None) -> tuple[dict[str, float], MarkedRows | None]:
         """The PPO update over `epochs` passes of mini-batches of `mini_rows` responses (reshuffled each
         pass when `shuffle`, from the torch RNG the trainer seeds per step). Every mini-batch is split
-        evenly across the ranks, so the optimizer steps are the same for any number of ranks."""
+        evenly across the ranks, so the optimizer steps are the same for any number of ranks. Returns the
+        metrics and, for rows marked with `token_row`, what the update computed of them (every rank's, in
+        mark order)."""
         args = update_shards(batch, mini_rows, epochs, shuffle, self.world_size)
-        return _merge(self._each("update_actor", args, "the actor update", progress))
-
-    def update_log_probs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For the rows the last update_actor marked with token_row 0..k-1, in that order (every rank's
-        share gathered): log-probs and entropies (k, R) before its first optimizer step, and log-probs
-        (k, R) after its last."""
-        parts = self._all("update_log_probs", what="the update's log-probs")
-        rows, before, entropy, after = (torch.cat(p) for p in zip(*parts, strict=True))
-        order = rows.argsort()
-        return before[order], entropy[order], after[order]
+        results = self._each("update_actor", args, "the actor update", progress)
+        return _merge([metrics for metrics, _ in results]), concat_marked([marked for _, marked in results])
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """(B, R) critic values of the state before each response token, rows split evenly over the ranks."""
@@ -443,8 +438,9 @@ def _stop(workers: list, placement) -> None:
 
 
 def update_shards(batch: Batch, mini_rows: int, epochs: int, shuffle: bool, world_size: int
-                  ) -> list[tuple[Batch, int]]:
-    """Each rank's rows of an update, in optimizer-step order, and its rows per mini-batch.
+                  ) -> list[tuple[Batch, int, list[tuple[float, float]]]]:
+    """Each rank's rows of an update, in optimizer-step order, its rows per mini-batch, and each mini-batch's
+    valid tokens and non-empty responses over all ranks (what the losses divide by: rank.step_counts).
 
     `epochs` passes over the batch (a new permutation per pass when `shuffle`) in mini-batches of
     `mini_rows`; rank r gets part r of every mini-batch. A batch smaller than one mini-batch (DAPO's
@@ -454,13 +450,16 @@ def update_shards(batch: Batch, mini_rows: int, epochs: int, shuffle: bool, worl
     mini_rows = min(mini_rows, max(total - total % world_size, world_size))
     local_rows = mini_rows // world_size
     per_rank: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+    minis = []
     for _ in range(epochs):
         order = torch.randperm(total) if shuffle else torch.arange(total)
         for m in range(total // mini_rows):
             mini = order[m * mini_rows:(m + 1) * mini_rows]
+            minis.append(mini)
             for r in range(world_size):
                 per_rank[r].append(mini[r * local_rows:(r + 1) * local_rows])
-    return [({k: v[torch.cat(idx)] for k, v in batch.items()}, local_rows) for idx in per_rank]
+    counts = step_counts(batch["response_mask"][torch.cat(minis)], mini_rows)
+    return [({k: v[torch.cat(idx)] for k, v in batch.items()}, local_rows, counts) for idx in per_rank]
 
 
 def _merge(results: list[dict[str, float]]) -> dict[str, float]:
@@ -482,7 +481,8 @@ def critic_settings(cfg: Config) -> dict:
             "lr_warmup_steps": c.optim.lr_warmup_steps, "grad_clip": c.grad_clip, "cliprange_value": c.cliprange_value,
             "ppo_micro_batch_size_per_gpu": c.ppo_micro_batch_size_per_gpu, "loss_agg_mode": c.loss_agg_mode,
             "param_dtype": c.fsdp_config.param_dtype, "offload_policy": c.fsdp_config.offload_policy,
-            "use_torch_compile": actor.use_torch_compile, "seed": cfg.trainer.seed}
+            "use_torch_compile": actor.use_torch_compile, "seed": cfg.trainer.seed,
+            "loss_scale_factor": c.loss_scale_factor}
 
 
 def _split_counts(n: int, parts: int) -> list[int]:

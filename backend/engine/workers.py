@@ -24,7 +24,16 @@ from backend.core.config import Config, from_dict
 from backend.core.models import load_model, load_tokenizer, resolve_model
 from backend.engine import distributed
 from backend.engine.log_probs import response_log_probs
-from backend.engine.rank import PeakMemory, RankWorker, lr_lambda, micro_batches, node_ip, to_device
+from backend.engine.rank import (
+    MarkedRows,
+    PeakMemory,
+    RankWorker,
+    lr_lambda,
+    micro_batches,
+    node_ip,
+    step_counts,
+    to_device,
+)
 from backend.rollout import static_cache
 from backend.rollout.base import HFGenerateEngine, SamplingParams, eos_ids_of
 from backend.rollout.vllm_engine import VLLMEngine
@@ -89,7 +98,6 @@ class ActorRolloutRefWorker(RankWorker):
         self.clip_low, self.clip_high = arr.actor.clip_range()
         self.policy_loss = get_policy_loss_fn(arr.actor.policy_loss.loss_mode)
         self._progress: tuple = ()
-        self._update_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._peaks = PeakMemory(self.device)
         self._phase = self._peaks.phase
 
@@ -182,50 +190,49 @@ class ActorRolloutRefWorker(RankWorker):
 
     # ---- the update ----
 
-    def update_actor(self, batch: Batch, mini_rows: int) -> dict[str, float]:
-        """PPO-clip update; returns this rank's actor/* metrics.
+    def update_actor(self, batch: Batch, mini_rows: int, counts: list[tuple[float, float]] | None = None
+                     ) -> tuple[dict[str, float], MarkedRows | None]:
+        """PPO-clip update; returns this rank's actor/* metrics and what it computed for the marked rows.
 
         batch: this rank's rows, already in update order (the controller shuffles and gives each rank
         an equal part of every mini-batch), holding input_ids, attention_mask, responses, response_mask,
         advantages, and old_log_probs / ref_log_probs when used. Every `mini_rows` rows are one optimizer
-        step; FSDP averages the gradients over ranks, so a step's gradient is that of the whole
-        mini-batch's mean loss. Without old_log_probs the update is on-policy: the ratio is exactly 1
-        and only its gradient counts. With rollout_log_probs (the sampling engine's own, vllm) each token's
-        policy loss is weighted by rollout_is_weights against old_log_probs (on-policy: the detached
-        current log-probs) unless algorithm.rollout_correction.rollout_is is null; rollout/* metrics say
-        how far the two engines disagree. Rows whose `token_row` (optional) is k >= 0 keep the log-probs
-        and entropies of the first mini-batch's forward, before any optimizer step, and get log-probs
-        under the updated weights at the end, for `update_log_probs` (the token view's "before" without a
-        pass of its own, and its "after" without a call of its own).
+        step. `counts` holds each step's valid tokens and non-empty responses over all ranks (rank.step_counts;
+        one rank alone counts its own rows): every micro-batch's loss is its share of the whole mini-batch's,
+        so each token weighs the same whichever micro-batch or rank it falls in, as in verl 0.9.1. Without
+        old_log_probs the update is on-policy: the ratio is exactly 1 and only its gradient counts. With
+        rollout_log_probs (the sampling engine's own, vllm) each token's policy loss is weighted by
+        rollout_is_weights against old_log_probs (on-policy: the detached current log-probs) unless
+        algorithm.rollout_correction.rollout_is is null; rollout/* metrics say how far the two engines
+        disagree. Rows whose `token_row` (optional) is k >= 0 get their log-probs under the updated weights
+        at the end, and, when the update is one optimizer step, its forward's log-probs and entropies: the
+        token view's "after" and "before" without passes of their own (MarkedRows).
         """
         self._progress = ()
-        self._update_rows = None
-        kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         a = self.cfg.actor_rollout_ref.actor
         total = batch["responses"].shape[0]
         response_len = batch["responses"].shape[1]
-        # Metrics stay on the device until the update ends: reading one per micro-batch would make the
-        # host wait for the device there, and it could no longer queue the next micro-batch's work.
-        sums: dict[str, torch.Tensor | float] = {}
-        counts: dict[str, int] = {}
-
-        def add(name: str, value: torch.Tensor | float) -> None:
-            if name.endswith("_max"):  # a peak over the micro-batches, not a mean
-                sums[name] = value if name not in sums else torch.maximum(torch.as_tensor(sums[name]), value)
-                counts[name] = 1
-                return
-            sums[name] = sums.get(name, 0.0) + value
-            counts[name] = counts.get(name, 0) + 1
-
+        counts = counts if counts is not None else step_counts(batch["response_mask"], mini_rows)
+        # Metrics stay on the device until the update ends: reading one per micro-batch would make the host
+        # wait for the device there, and it could no longer queue the next micro-batch's work. Loss terms add
+        # up over a step's micro-batches (each is its share of the step's loss) and average over steps; the
+        # rates (clip fractions, IS weights) average over micro-batches, peaks take the largest.
+        means: dict[str, list] = {}
+        peaks: dict[str, list] = {}
         rc = self.cfg.algorithm.rollout_correction
-
+        marked = batch.get("token_row")
+        first_forward: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         n_micro_total = math.ceil(total / a.ppo_micro_batch_size_per_gpu)
         done = skipped = 0
         batch = to_device(batch, self.device)
         with self._phase("update_actor"):
-            for start in range(0, total, mini_rows):
+            for step, start in enumerate(range(0, total, mini_rows)):
                 mini = {k: v[start:start + mini_rows] for k, v in batch.items()}
+                num_tokens, num_seqs = counts[step]
+                agg = {"loss_agg_mode": a.loss_agg_mode, "num_tokens": num_tokens, "num_seqs": num_seqs,
+                       "loss_scale_factor": a.loss_scale_factor}
                 self.optimizer.zero_grad(set_to_none=True)
+                step_losses: dict[str, torch.Tensor] = {}
                 n_micro = math.ceil(mini["responses"].shape[0] / a.ppo_micro_batch_size_per_gpu)
                 with self._gathered(self.actor, self.gather_once):
                     for i, mb in enumerate(micro_batches(mini, a.ppo_micro_batch_size_per_gpu)):
@@ -238,36 +245,33 @@ class ActorRolloutRefWorker(RankWorker):
                             self.actor, mb["input_ids"], mb["attention_mask"], response_len, self.temperature,
                             with_entropy=True, entropy_grad=a.entropy_coeff > 0, compiled=self.compiled)
                         old = mb.get("old_log_probs", log_probs.detach())
-                        if "token_row" in mb and start == 0:
-                            kept.append((mb["token_row"], log_probs.detach(), entropy.detach()))
+                        if "token_row" in mb and step == 0:
+                            first_forward.append((mb["token_row"], log_probs.detach(), entropy.detach()))
                         is_weights = None
                         if "rollout_log_probs" in mb:
                             weights, is_metrics = rollout_is_weights(old, mb["rollout_log_probs"], mask,
-                                                                           rc.rollout_is_threshold)
+                                                                     rc.rollout_is_threshold)
                             is_weights = weights if rc.rollout_is else None
                             for k, v in is_metrics.items():
-                                add(k, v)
+                                (peaks if k.endswith("_max") else means).setdefault(k, []).append(v)
                         pg_loss, pg_metrics = self.policy_loss(
                             old, log_probs, mb["advantages"], mask, clip_ratio_low=self.clip_low,
-                            clip_ratio_high=self.clip_high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
-                            rollout_is_weights=is_weights)
-                        loss = pg_loss
-                        entropy_loss = agg_loss(entropy, mask, a.loss_agg_mode)
-                        if a.entropy_coeff:
-                            loss = loss - a.entropy_coeff * entropy_loss
+                            clip_ratio_high=self.clip_high, clip_ratio_c=a.clip_ratio_c, rollout_is_weights=is_weights,
+                            **agg)
+                        entropy_loss = agg_loss(entropy, mask, **agg)
+                        terms = {"actor/pg_loss": pg_loss, "actor/entropy": entropy_loss}
+                        loss = pg_loss - a.entropy_coeff * entropy_loss if a.entropy_coeff else pg_loss
                         if a.use_kl_loss:
-                            kl = kl_penalty(log_probs, mb["ref_log_probs"], a.kl_loss_type)
-                            kl_loss = agg_loss(kl, mask, a.loss_agg_mode)
-                            loss = loss + a.kl_loss_coef * kl_loss
-                            add("actor/kl_loss", kl_loss.detach())
-                            add("actor/kl_coef", a.kl_loss_coef)
-                        # Each micro-batch's mean is weighted by its share of the mini-batch, so the
-                        # accumulated gradient is that of the mini-batch's mean loss.
-                        (loss * mb["responses"].shape[0] / mini["responses"].shape[0]).backward()
-                        add("actor/pg_loss", pg_loss.detach())
-                        add("actor/entropy", entropy_loss.detach())
+                            terms["actor/kl_loss"] = agg_loss(kl_penalty(log_probs, mb["ref_log_probs"],
+                                                                         a.kl_loss_type), mask, **agg)
+                            loss = loss + a.kl_loss_coef * terms["actor/kl_loss"]
+                        # FSDP averages the ranks' gradients: each rank's share of the step's loss counts
+                        # world_size times, so the average is the gradient of the whole step's loss.
+                        (loss * self.world_size).backward()
+                        for k, v in terms.items():
+                            step_losses[k] = step_losses.get(k, 0.0) + v.detach() * self.world_size
                         for k, v in pg_metrics.items():
-                            add(k, v)
+                            means.setdefault(k, []).append(v)
                         done += 1
                         self._report("the actor update", done, n_micro_total)
                 grad_norm = distributed.global_grad_norm(self.actor.parameters(), a.grad_clip)
@@ -276,23 +280,50 @@ class ActorRolloutRefWorker(RankWorker):
                 else:
                     skipped += 1
                     self.optimizer.zero_grad(set_to_none=True)
-                add("actor/grad_norm", grad_norm)
-        if kept:
-            rows, lps, ents = (torch.cat(parts) for parts in zip(*kept, strict=True))
-            marked = rows >= 0
-            after = self._log_probs_after_update({k: batch[k][:len(rows)][marked] for k in ("input_ids",
-                                                                                            "attention_mask")},
-                                                 response_len)
-            self._update_rows = (rows[marked].cpu(), lps[marked].cpu(), ents[marked].cpu(), after)
-        names = list(sums)
-        values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32, device=self.device) for k in names])
-        metrics = {k: v / counts[k] for k, v in zip(names, values.tolist(), strict=True)}
+                for k, v in {**step_losses, "actor/grad_norm": grad_norm}.items():
+                    means.setdefault(k, []).append(v)
+        metrics = self._read_metrics(means, peaks)
+        if a.use_kl_loss:
+            metrics["actor/kl_coef"] = a.kl_loss_coef
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         metrics["actor/lr"] = lr
         metrics["actor/skipped_steps"] = float(skipped)
         metrics.update(self.memory())
-        return metrics
+        return metrics, self._marked_rows(marked, first_forward, batch, response_len, one_step=total <= mini_rows)
+
+    def _read_metrics(self, means: dict[str, list], peaks: dict[str, list]) -> dict[str, float]:
+        """Each metric's mean over its values (or, for a peak, the largest), read from the device in one copy."""
+        def stacked(values: list) -> torch.Tensor:
+            return torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device) for v in values])
+
+        names = [*means, *peaks]
+        if not names:
+            return {}
+        values = [stacked(means[k]).mean() for k in means] + [stacked(peaks[k]).max() for k in peaks]
+        return dict(zip(names, torch.stack(values).tolist(), strict=True))
+
+    def _marked_rows(self, marks: torch.Tensor | None, first_forward: list, batch: Batch, response_len: int,
+                     one_step: bool) -> MarkedRows | None:
+        """The marked rows' log-probs after the update (each row once, though epochs repeat it), and the first
+        forward's values when the update was one optimizer step."""
+        if marks is None:
+            return None
+        first: dict[int, int] = {}
+        for i, mark in enumerate(marks.tolist()):
+            if mark >= 0:
+                first.setdefault(mark, i)
+        rows = torch.tensor(list(first), dtype=torch.long)
+        index = torch.tensor(list(first.values()), dtype=torch.long)
+        after = self._log_probs_after_update({k: batch[k][index.to(batch[k].device)]
+                                              for k in ("input_ids", "attention_mask")}, response_len)
+        if not one_step or not first_forward:
+            return MarkedRows(rows, after)
+        forward_rows, lps, ents = (torch.cat(parts) for parts in zip(*first_forward, strict=True))
+        keep = forward_rows >= 0
+        order = forward_rows[keep].argsort()
+        by_mark = rows.argsort()
+        return MarkedRows(rows[by_mark], after[by_mark], lps[keep][order].cpu(), ents[keep][order].cpu())
 
     @torch.no_grad()
     def _log_probs_after_update(self, inputs: Batch, response_len: int) -> torch.Tensor:
@@ -307,14 +338,6 @@ class ActorRolloutRefWorker(RankWorker):
                      for mb in micro_batches(inputs, micro)]
         self.actor.train()
         return torch.cat(parts).cpu() if parts else torch.empty(0, response_len)
-
-    def update_log_probs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The rows the last update kept (see update_actor's token_row): their token_row values (k,), their
-        log-probs and entropies before its first optimizer step (k, R), and their log-probs after its last
-        one (k, R)."""
-        if self._update_rows is None:
-            raise RuntimeError("update_log_probs: the last update_actor marked no rows with token_row")
-        return self._update_rows
 
     def memory(self) -> dict[str, float]:
         """Peak GPU memory of this rank in each phase since the last call and over all of them, in GiB:
