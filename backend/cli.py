@@ -122,8 +122,8 @@ def _exit_killing_children(rc: int) -> NoReturn:
 def end_process(rc: int) -> NoReturn:
     """Exit `python -m backend` with `rc`. A private Ray the command started (train, recipe, eval, generate)
     is killed with its processes rather than shut down: everything the command keeps is on disk by then,
-    and Ray's orderly shutdown held a finished run's process for 2-3 s after its final status (9 s with
-    the Ray head gone), while the UI, a script or a test waited for it to end. A Ray cluster joined by
+    and Ray's orderly shutdown held a finished run's process for seconds after its final status (longer
+    with the Ray head gone), while the UI, a script or a test waited for it to end. A Ray cluster joined by
     address is left properly (its head records the job as finished)."""
     worker_group = sys.modules.get("backend.engine.worker_group")  # not imported: no Ray to end, and none to import
     if worker_group is not None and worker_group.runs_private_ray():

@@ -93,7 +93,7 @@ def shard_model(model: torch.nn.Module, device: torch.device, compute_dtype: tor
     free hooks stay outside the graph and parameter names do not change). All layers share one graph,
     compiled for any batch and sequence length: both change from call to call (each step's prompt
     width, a shorter last micro-batch, the token view's few rows), and a graph compiled for the first
-    shapes was compiled again on the second step (10 s on an H200).
+    shapes would be compiled again on the second step.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard

@@ -70,8 +70,8 @@ def _compiled_vocab_pass() -> tuple[Callable, Callable]:
 def _over_positions(fn: Callable) -> Callable:
     """fn applied to its tensors flattened to (positions, ...), with the number of positions dynamic and
     the vocabulary static: one compilation serves every chunk, and the kernels index the vocabulary by a
-    constant (all dimensions dynamic made the backward's per-element index arithmetic its cost: 1.8 ms a
-    2,048 x 151,936 chunk on an H200, about six times what reading and writing it takes)."""
+    constant (with all dimensions dynamic, the backward's per-element index arithmetic cost several times
+    what reading and writing the chunk takes)."""
     def flat(*args):
         shape = args[1].shape  # the targets' (rows, R)
         flat_args = [a.flatten(0, 1) if isinstance(a, Tensor) else a for a in args]

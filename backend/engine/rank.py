@@ -74,9 +74,8 @@ def lr_lambda(warmup: int, total: int, style: str, min_ratio: float):
 def freeze_heap() -> int:
     """Collect once, then move every object still alive into the collector's permanent generation;
     returns how many are there. After the first step a worker holds hundreds of thousands of long-lived
-    objects (torch, transformers, compiled graphs; 455,000 in a CPU worker) that every full collection
-    walks (0.3 s for those on this CPU). On the H200 a step now and then took 0.5 s longer; with frozen
-    heaps none of 14 did. Frozen objects are never collected as cycles (reference counting still frees
+    objects (torch, transformers, compiled graphs) that every full collection would walk again, a pause
+    some steps then pay. Frozen objects are never collected as cycles (reference counting still frees
     them); garbage made later is collected as before, walking only the objects made later."""
     gc.collect()
     gc.freeze()

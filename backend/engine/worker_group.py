@@ -112,8 +112,8 @@ def start_ray(cfg: Config) -> None:
     # address="local": always a new private instance, even where `ray start` left a cluster address behind.
     # Ray's start-up notices are noise in a run's log; its errors still show. Not prestarting a worker process
     # per core for the first driver: a run's ranks are actors, each started as a new process, so those idle
-    # workers ran at most one small task and competed with the ranks' start for the cores (a tiny run's first
-    # step came 2-4 s later on 2 cores, and its start took 6 s more CPU).
+    # workers ran at most one small task and competed with the ranks' start for the cores, which delays the
+    # first step on a small machine.
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         try:
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world), include_dashboard=False,
@@ -140,7 +140,7 @@ def end_children() -> None:
     """Kill every process this one started (a half-started Ray, or a stopped run's) and wait for them.
 
     Only this process's own children are waited for: a killed grandchild (a Ray worker) stays a zombie
-    until whoever adopts it reaps it, which here took 1-2 s, while SIGKILL has already ended it."""
+    until whoever adopts it reaps it, seconds later, while SIGKILL has already ended it."""
     import psutil
 
     me = psutil.Process()

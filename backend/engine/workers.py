@@ -75,8 +75,8 @@ class ActorRolloutRefWorker(RankWorker):
         self.actor.train()
         opt = arr.actor.optim
         # With LoRA only the adapters train: the frozen base gets no gradients and no AdamW state.
-        # Fused on GPUs: one kernel for every parameter (12.5 ms a step against 16-18 ms for foreach on
-        # the H200 workload); offloaded parameters step on the CPU as before.
+        # Fused on GPUs: one kernel for every parameter instead of a launch per parameter group (faster on
+        # the benchmark workload, docs/performance.md); offloaded parameters step on the CPU as before.
         fused = self.device.type == "cuda" and not arr.actor.fsdp_config.offload_policy
         self.optimizer = torch.optim.AdamW([p for p in self.actor.parameters() if p.requires_grad], lr=opt.lr,
                                            betas=tuple(opt.betas), weight_decay=opt.weight_decay, fused=fused or None)
