@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
 
+from backend.algos.losses import KL_TYPES, LOSS_AGG_MODES
 from backend.core.config import ConfigError, batch_plan, field_specs, load_config, to_yaml
+from backend.rewards.rules import GSM8K_SCORERS
+from backend.rewards.scoring import score_batch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,3 +136,54 @@ def test_zero_or_negative_worker_counts_are_refused_without_crashing():
     problems = problems_of("trainer.n_gpus_per_node=0", "trainer.nnodes=-3")
     assert any("trainer.n_gpus_per_node=0 must be >= 1" in p for p in problems)
     assert any("trainer.nnodes=-3 must be >= 1" in p for p in problems)
+
+
+# ---- the choices the algorithms and scorers define ----
+
+def test_loss_agg_mode_choices_are_exactly_the_modes_agg_loss_knows():
+    specs = field_specs()
+    assert specs["actor_rollout_ref.actor.loss_agg_mode"][1]["choices"] == LOSS_AGG_MODES
+    assert specs["critic.loss_agg_mode"][1]["choices"] == LOSS_AGG_MODES
+
+
+def test_kl_loss_types_are_every_kl_estimator_and_the_penalty_in_reward_leaves_out_the_straight_through_ones():
+    specs = field_specs()
+    assert set(specs["actor_rollout_ref.actor.kl_loss_type"][1]["choices"]) == set(KL_TYPES)
+    assert set(specs["algorithm.kl_penalty"][1]["choices"]) == {k for k in KL_TYPES if not k.endswith("+")}
+
+
+def test_gsm8k_scorer_choices_are_the_rules_and_the_default_is_what_score_batch_uses_without_a_config():
+    assert field_specs()["reward.gsm8k_scorer"][1]["choices"] == tuple(GSM8K_SCORERS)
+    default = load_config(None).reward.gsm8k_scorer
+    assert default == "verl" == inspect.signature(score_batch).parameters["gsm8k_scorer"].default
+
+
+def test_a_straight_through_kl_type_is_a_valid_kl_loss_and_refused_as_an_in_reward_penalty():
+    cfg = load_config(REPO / "configs/default.yaml", ["actor_rollout_ref.actor.kl_loss_type=k3+"])
+    assert cfg.actor_rollout_ref.actor.kl_loss_type == "k3+"
+    [msg] = problems_of("algorithm.kl_penalty=k3+")
+    assert msg == "algorithm.kl_penalty='k3+' is not allowed; choose one of: kl, k1, mse, k2, low_var_kl, k3, abs"
+
+
+def test_token_sum_and_a_loss_scale_factor_are_accepted_and_a_non_positive_factor_is_refused():
+    cfg = load_config(REPO / "configs/default.yaml", ["actor_rollout_ref.actor.loss_agg_mode=token-sum",
+                                                      "actor_rollout_ref.actor.loss_scale_factor=512",
+                                                      "critic.loss_scale_factor=256"])
+    assert cfg.actor_rollout_ref.actor.loss_agg_mode == "token-sum"
+    assert (cfg.actor_rollout_ref.actor.loss_scale_factor, cfg.critic.loss_scale_factor) == (512.0, 256.0)
+    assert load_config(None).actor_rollout_ref.actor.loss_scale_factor is None
+    problems = problems_of("actor_rollout_ref.actor.loss_scale_factor=0", "critic.loss_scale_factor=-1")
+    assert problems == ["actor_rollout_ref.actor.loss_scale_factor=0.0 must be > 0",
+                        "critic.loss_scale_factor=-1.0 must be > 0"]
+
+
+def test_an_unknown_gsm8k_scorer_names_the_key_the_value_and_the_rules():
+    [msg] = problems_of("reward.gsm8k_scorer=strict")
+    assert msg == "reward.gsm8k_scorer='strict' is not allowed; choose one of: verl, lenient"
+
+
+@pytest.mark.parametrize(("path", "scorer"), [("configs/gsm8k_grpo.yaml", "lenient"),
+                                              ("configs/recipes/gsm8k.yaml", "lenient"),
+                                              ("configs/default.yaml", "verl")])
+def test_the_gsm8k_preset_and_recipe_keep_the_partial_credit_they_were_tuned_with(path, scorer):
+    assert load_config(REPO / path, validate=False).reward.gsm8k_scorer == scorer

@@ -105,8 +105,8 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kl_type: str) -> Tensor
                       tokens sampled from pi averages to the gradient of KL(pi || pi_ref) itself (Tang and
                       Munos 2025, "On a Few Pitfalls in KL Divergence Gradient Estimation for RL").
 
-    Differs from verl: verl strips a trailing "+" from any type; "k2+", "mse+" (the same as k2) and "abs+"
-    are refused here.
+    This differs from verl: verl strips a trailing "+" from any type, so it also takes "k2+", "mse+" (the
+    same as k2) and "abs+", which are refused here.
 
     Args:
         log_probs: (batch, response_len) log-probs of the sampled tokens under the policy.

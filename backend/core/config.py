@@ -44,6 +44,15 @@ def _section(cls: type) -> Any:
     return field(default_factory=cls)
 
 
+# Allowed values that the algorithms and scorers define; written out here because core imports neither
+# (tests/test_config.py holds them equal to backend.algos.losses.LOSS_AGG_MODES and KL_TYPES, and to
+# backend.rewards.rules.GSM8K_SCORERS, whose first rule is reward.gsm8k_scorer's default).
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_PENALTY_TYPES = ("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs")
+KL_LOSS_TYPES = (*KL_PENALTY_TYPES, "kl+", "k1+", "low_var_kl+", "k3+")
+GSM8K_SCORERS = ("verl", "lenient")
+
+
 # ---- data ----
 
 @dataclass
@@ -123,13 +132,22 @@ class ActorConfig:
     clip_ratio_high: float | None = _f(None, "Upper clip range (1 + high); defaults to clip_ratio.")
     clip_ratio_c: float = _f(3.0, "Dual-clip bound for negative advantages; must be > 1.", gt=1)
     grad_clip: float = _f(1.0, "Clip the gradient norm to this value.", gt=0)
-    loss_agg_mode: str = _f("token-mean", "How per-token losses become one number.",
-                            choices=("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                     "seq-mean-token-sum-norm"))
+    loss_agg_mode: str = _f("token-mean", "How per-token losses L (response mask m) become one number, as verl "
+                            "0.9.1, with the counts of the whole mini-batch (all micro-batches and ranks): "
+                            "token-mean: sum(L*m) / valid tokens; token-sum: sum(L*m); seq-mean-token-sum: each "
+                            "response's sum(L*m), averaged over the non-empty responses; seq-mean-token-mean: each "
+                            "response's token-mean, averaged over the non-empty responses; seq-mean-token-sum-norm "
+                            "(Dr.GRPO): seq-mean-token-sum / loss_scale_factor.", choices=LOSS_AGG_MODES)
+    loss_scale_factor: float | None = _f(None, "The constant seq-mean-token-sum-norm divides by (the other modes "
+                                         "ignore it); null: data.max_response_length, the width verl pads every "
+                                         "response to (verl's name and default).", gt=0)
     use_kl_loss: bool = _f(True, "Add a KL-to-reference term to the loss (GRPO).")
     kl_loss_coef: float = _f(0.001, "Weight of the KL loss.", min=0)
-    kl_loss_type: str = _f("low_var_kl", "KL estimator of the KL loss.",
-                           choices=("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs"))
+    kl_loss_type: str = _f("low_var_kl", "KL estimator of the KL loss: k1/kl logp - ref; k2/mse 0.5 (logp - ref)^2; "
+                           "k3/low_var_kl exp(r) - r - 1, r = ref - logp, clamped to [-10, 10]; abs |logp - ref|; "
+                           "k1+/kl+ and k3+/low_var_kl+: the value of k1 or k3 with the gradient of k2 "
+                           "(straight-through, as verl 0.9.1); differs from verl: k2+, mse+ and abs+ are refused.",
+                           choices=KL_LOSS_TYPES)
     entropy_coeff: float = _f(0.0, "Entropy bonus weight (0 = off).", min=0)
     use_torch_compile: bool = _f(True, "On GPUs, compile each decoder layer's forward with torch.compile (actor "
                                  "and reference): faster steps after a one-off compilation.")
@@ -220,17 +238,22 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = _f("grpo", "Advantage estimator: grpo, drgrpo (no std, no length normalisation), rloo, "
-                            "reinforce_plus_plus(_baseline), remax (greedy response as baseline), gae (PPO with "
-                            "a critic: the critic.* keys).",
+    adv_estimator: str = _f("grpo", "Advantage estimator: grpo, drgrpo (no std, no length normalisation), rloo "
+                            "(leave-one-out baseline; a response alone in its group keeps its score, as verl "
+                            "0.9.1's default rloo, where its rloo_vectorized gives 0), reinforce_plus_plus (the "
+                            "return runs through masked positions inside a response, as verl 0.9.1), "
+                            "reinforce_plus_plus_baseline, remax (greedy response as baseline), gae (PPO with a "
+                            "critic: the critic.* keys).",
                             choices=("grpo", "drgrpo", "rloo", "reinforce_plus_plus",
                                      "reinforce_plus_plus_baseline", "remax", "gae"))
     norm_adv_by_std_in_grpo: bool = _f(True, "Divide GRPO advantages by the group's reward std.")
     gamma: float = _f(1.0, "Discount factor (REINFORCE++, GAE).", min=0)
     lam: float = _f(1.0, "GAE lambda.", min=0)
     use_kl_in_reward: bool = _f(False, "Subtract a KL penalty from the reward instead of (or as well as) a loss.")
-    kl_penalty: str = _f("kl", "KL estimator of the in-reward penalty.",
-                         choices=("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs"))
+    kl_penalty: str = _f("kl", "KL estimator of the in-reward penalty (the estimators of "
+                         "actor_rollout_ref.actor.kl_loss_type); differs from verl: the straight-through '+' types "
+                         "are refused here, where verl accepts them to the same value: a reward has no gradient for "
+                         "the '+' to change.", choices=KL_PENALTY_TYPES)
     kl_ctrl: KLControlConfig = _section(KLControlConfig)
     filter_groups: FilterGroupsConfig = _section(FilterGroupsConfig)
     rollout_correction: RolloutCorrectionConfig = _section(RolloutCorrectionConfig)
@@ -252,6 +275,13 @@ class OverlongBufferConfig:
 
 @dataclass
 class RewardConfig:
+    gsm8k_scorer: str = _f("verl", "Rule for the GSM8K data sources (openai/gsm8k, gsm8k). verl: verl 0.9.1's "
+                           "own rule (the number right after the last '#### ' in the last 300 characters, "
+                           "compared as a string with the ground truth: 1 if equal, else 0), the default so that "
+                           "a config brought from verl scores as there and accuracies compare with verl's. "
+                           "lenient: ours, more signal for small models; differs from verl: numbers compared by "
+                           "value, looser '####' forms, 0.5 for a right last number without '####'.",
+                           choices=GSM8K_SCORERS)
     timeout_s: float = _f(10.0, "A reward call running longer scores 0 and is counted.", gt=0)
     rule_weight: float = _f(1.0, "Weight of the data_source scorer (or custom_reward_function) in the score; 0 "
                             "leaves it out (then reward.functions or reward_model score alone).", min=0)
@@ -300,9 +330,10 @@ class CriticConfig:
     cliprange_value: float = _f(0.5, "How far a value prediction may move from the rollout's value (PPO value "
                                 "clipping).", min=0)
     grad_clip: float = _f(1.0, "Clip the critic's gradient norm to this value.", gt=0)
-    loss_agg_mode: str = _f("token-mean", "How per-token value losses become one number.",
-                            choices=("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                     "seq-mean-token-sum-norm"))
+    loss_agg_mode: str = _f("token-mean", "How per-token value losses become one number: the modes of "
+                            "actor_rollout_ref.actor.loss_agg_mode.", choices=LOSS_AGG_MODES)
+    loss_scale_factor: float | None = _f(None, "The constant seq-mean-token-sum-norm divides the value loss by; "
+                                         "null: data.max_response_length.", gt=0)
     fsdp_config: FSDPConfig = _section(FSDPConfig)
 
 

@@ -24,9 +24,10 @@ def is_correct(score: float, parts: dict[str, float]) -> bool:
 
 
 def evaluate(engine: RolloutEngine, tokenizer, items: list[dict], max_new_tokens: int, *,
-             custom_fn: Callable | None = None, timeout_s: float = 10.0, batch_size: int = 32,
-             progress: Callable[[int, int], None] | None = None) -> EvalResult:
-    """Greedy answers for `items` (PromptDataset items) scored per data source."""
+             custom_fn: Callable | None = None, gsm8k_scorer: str = "verl", timeout_s: float = 10.0,
+             batch_size: int = 32, progress: Callable[[int, int], None] | None = None) -> EvalResult:
+    """Greedy answers for `items` (PromptDataset items) scored per data source; GSM8K rows by the rule
+    `gsm8k_scorer` names (reward.gsm8k_scorer: "verl" or "lenient")."""
     params = SamplingParams(n=1, max_new_tokens=max_new_tokens, greedy=True)
     records: list[dict] = []
     for start in range(0, len(items), batch_size):
@@ -34,8 +35,8 @@ def evaluate(engine: RolloutEngine, tokenizer, items: list[dict], max_new_tokens
         batch = engine.generate([it["prompt_ids"] for it in chunk], params)
         texts = tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)
         scored = score_batch([it["data_source"] for it in chunk], texts,
-                                     [it["ground_truth"] for it in chunk], [it["extra_info"] for it in chunk],
-                                     custom_fn=custom_fn, timeout_s=timeout_s)
+                             [it["ground_truth"] for it in chunk], [it["extra_info"] for it in chunk],
+                             custom_fn=custom_fn, gsm8k_scorer=gsm8k_scorer, timeout_s=timeout_s)
         for it, text, score, parts, pred, finish, length in zip(
                 chunk, texts, scored.scores, scored.parts, scored.preds, batch.finish_reasons,
                 batch.response_mask.sum(-1).tolist(), strict=True):

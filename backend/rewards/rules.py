@@ -211,7 +211,7 @@ def gsm8k_lenient_score(
     - no number after a last "####", but the last number in the response is right: 0.5
     - otherwise (a wrong "####" answer, or no right number at all): 0.0
 
-    Differs from verl: numbers compare by value ("2.50" == "2.5", "018" == "18", "1,234" == "1234"); the
+    It differs from verl: numbers compare by value ("2.50" == "2.5", "018" == "18", "1,234" == "1234"); the
     marker may be followed by spaces, "$" or a minus ("#### $18", "####18", "#### - 5" read 18, 18, -5);
     U+2212 is a minus; the whole response is searched, not its last 300 characters; commas count only
     between groups of three digits ("#### 1,2,3" reads 1, not 123); a right last number without the

@@ -281,7 +281,8 @@ class CompareResult:
 
 
 def _sample_file(gen: Generator, items: list[dict], params: SamplingParams, *, seed: int, batch_size: int,
-                 custom_fn: Callable | None, timeout_s: float, report: Callable[[int], None]) -> list[dict]:
+                 custom_fn: Callable | None, gsm8k_scorer: str, timeout_s: float,
+                 report: Callable[[int], None]) -> list[dict]:
     """k samples per question from one model, each scored by its data source's reward."""
     out: list[dict] = []
     k = params.n
@@ -291,9 +292,9 @@ def _sample_file(gen: Generator, items: list[dict], params: SamplingParams, *, s
         batch = gen.engine.generate([it["prompt_ids"] for it in chunk], params, first_row=start * k)
         texts = gen.tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)
         scored = score_batch([it["data_source"] for it in chunk for _ in range(k)], texts,
-                                     [it["ground_truth"] for it in chunk for _ in range(k)],
-                                     [it["extra_info"] for it in chunk for _ in range(k)],
-                                     custom_fn=custom_fn, timeout_s=timeout_s)
+                             [it["ground_truth"] for it in chunk for _ in range(k)],
+                             [it["extra_info"] for it in chunk for _ in range(k)],
+                             custom_fn=custom_fn, gsm8k_scorer=gsm8k_scorer, timeout_s=timeout_s)
         for j in range(len(chunk)):
             rows = range(j * k, (j + 1) * k)
             out.append({"responses": [texts[r] for r in rows], "preds": [scored.preds[r] for r in rows],
@@ -319,12 +320,13 @@ def _model_scores(model: str, samples: list[dict], k: int) -> ModelScores:
 def compare_on_file(model_a: str, model_b: str, data_file: str | Path, *, k: int = 1, limit: int = 0,
                     temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 128,
                     max_prompt_length: int = 512, seed: int = 0, batch_size: int = 16, device: str = "auto",
-                    custom_fn: Callable | None = None, timeout_s: float = 10.0,
+                    custom_fn: Callable | None = None, gsm8k_scorer: str = "verl", timeout_s: float = 10.0,
                     progress: Progress | None = None) -> CompareResult:
     """Both models on the questions of a parquet file: k answers per question and model (greedy when
     k = 1, else sampled at `temperature` with the same seed for both), each scored by the data set's
-    reward. Reports accuracy, pass@k, maj@k per model, B - A with its paired 95% interval, and the
-    questions where exactly one of the two (first samples) is right."""
+    reward (GSM8K rows by the rule `gsm8k_scorer` names, as reward.gsm8k_scorer). Reports accuracy,
+    pass@k, maj@k per model, B - A with its paired 95% interval, and the questions where exactly one of
+    the two (first samples) is right."""
     if k < 1:
         raise ValueError(f"k={k} must be at least 1")
     rows = data.load_rows(data_file)
@@ -347,7 +349,7 @@ def compare_on_file(model_a: str, model_b: str, data_file: str | Path, *, k: int
 
         with _loaded(model, device).lock:
             per_model.append(_sample_file(gen, items, params, seed=seed, batch_size=batch_size, custom_fn=custom_fn,
-                                          timeout_s=timeout_s, report=report))
+                                          gsm8k_scorer=gsm8k_scorer, timeout_s=timeout_s, report=report))
 
     samples_a, samples_b = per_model
     questions = [{"index": it["index"], "data_source": it["data_source"], "prompt": it["prompt_text"],

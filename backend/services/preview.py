@@ -468,11 +468,12 @@ def _custom_scorer(custom_path: str, custom_name: str):
 
 
 def score_response(data_source: str, response: str, ground_truth: str, custom_path: str = "",
-                   custom_name: str = "") -> dict[str, Any]:
+                   custom_name: str = "", gsm8k_scorer: str = "verl") -> dict[str, Any]:
     """Score one response as the engine would, and show what each extractor reads from it.
 
-    The scorer is the data source's registered one, or the custom function (`custom_path` a .py file
-    inside the workspace or a module, `custom_name` the function). Returns {score, parts, pred, strict
+    The scorer is the data source's registered one (for GSM8K the rule `gsm8k_scorer` names, as
+    reward.gsm8k_scorer: "verl" or "lenient"), or the custom function (`custom_path` a .py file inside the
+    workspace or a module, `custom_name` the function). Returns {score, parts, pred, strict
     (extract_hash_answer), flexible (extract_last_number), boxed (extract_boxed), error}. A scorer that
     raises, returns a non-number or hangs scores 0.0 with `error` saying why, as in a run; when no
     scorer can be found `score` is None.
@@ -488,7 +489,7 @@ def score_response(data_source: str, response: str, ground_truth: str, custom_pa
     try:
         custom_fn = _custom_scorer(custom_path, custom_name)
         scored = score_batch([data_source], [response], [str(ground_truth)], custom_fn=custom_fn,
-                                     timeout_s=_SCORE_TIMEOUT_S)
+                             gsm8k_scorer=gsm8k_scorer, timeout_s=_SCORE_TIMEOUT_S)
     except (RewardError, workspace.PathError) as e:
         result["error"] = str(e)
         return result
@@ -533,8 +534,9 @@ def reference_answer(row: dict[str, Any]) -> tuple[str, str] | None:
 
 
 def score_reference_answers(rows: Sequence[dict[str, Any]], n: int = 50, custom_path: str = "",
-                            custom_name: str = "") -> dict[str, Any]:
-    """Score the first `n` rows' own reference answers (`reference_answer`) with their data set's scorer.
+                            custom_name: str = "", gsm8k_scorer: str = "verl") -> dict[str, Any]:
+    """Score the first `n` rows' own reference answers (`reference_answer`) with their data set's scorer
+    (GSM8K's by the rule `gsm8k_scorer` names).
 
     A correct answer that does not get full marks (score >= 1) points at a broken scorer or a ground
     truth in a form the scorer does not read. Returns {n, full_marks, failures: [{row, data_source,
@@ -566,7 +568,7 @@ def score_reference_answers(rows: Sequence[dict[str, Any]], n: int = 50, custom_
             scored = score_batch(
                 [source] * len(group), [g[2] for g in group], [g[3] for g in group],
                 [g[1].get("extra_info") if isinstance(g[1].get("extra_info"), dict) else None for g in group],
-                custom_fn=custom_fn, timeout_s=_SCORE_TIMEOUT_S)
+                custom_fn=custom_fn, gsm8k_scorer=gsm8k_scorer, timeout_s=_SCORE_TIMEOUT_S)
         except RewardError as e:
             failures += [_failure(i, row, resp, truth, None, str(e)) for i, row, resp, truth in group]
             continue
