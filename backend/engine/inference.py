@@ -40,8 +40,10 @@ class Generator:
 
     def evaluate(self, data_file: str | Path, *, limit: int = 0, max_new_tokens: int = 128,
                  max_prompt_length: int = 512, batch_size: int = 32, custom_fn: Callable | None = None,
-                 timeout_s: float = 10.0, progress: Callable[[int, int], None] | None = None) -> EvalResult:
-        """Greedy accuracy on a parquet file, each answer scored by its data source's reward."""
+                 gsm8k_scorer: str = "verl", timeout_s: float = 10.0,
+                 progress: Callable[[int, int], None] | None = None) -> EvalResult:
+        """Greedy accuracy on a parquet file, each answer scored by its data source's reward (GSM8K rows by
+        the rule `gsm8k_scorer` names)."""
         rows = data.load_rows(data_file)
         if limit:
             rows = rows[:limit]
@@ -49,7 +51,8 @@ class Generator:
                                      source=str(data_file))
         items = [dataset[i] for i in range(len(dataset))]
         return _evaluate_items(self.engine, self.tokenizer, items, max_new_tokens, custom_fn=custom_fn,
-                               timeout_s=timeout_s, batch_size=batch_size, progress=progress)
+                               gsm8k_scorer=gsm8k_scorer, timeout_s=timeout_s, batch_size=batch_size,
+                               progress=progress)
 
 
 def load_generator(model: str, device: str = "auto", batch_size: int = 32) -> Generator:

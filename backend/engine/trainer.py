@@ -523,8 +523,8 @@ class Trainer:
         """Greedy accuracy on the configured validation rows (data.val_files, data.val_max_samples)."""
         self.stage("validating", force=True)
         result = evaluate(self.rollout, self.tokenizer, self.val_items, self.cfg.data.max_response_length,
-                          custom_fn=self.custom_fn, timeout_s=self.cfg.reward.timeout_s,
-                          batch_size=self.cfg.data.val_batch_size,
+                          custom_fn=self.custom_fn, gsm8k_scorer=self.cfg.reward.gsm8k_scorer,
+                          timeout_s=self.cfg.reward.timeout_s, batch_size=self.cfg.data.val_batch_size,
                           progress=lambda d, n: self.stage(f"validating {d}/{n}"))
         return result.metrics
 
@@ -536,7 +536,8 @@ class Trainer:
         return self._generator().evaluate(
             data_file, limit=limit, max_new_tokens=self.cfg.data.max_response_length,
             max_prompt_length=self.cfg.data.max_prompt_length, batch_size=self.cfg.data.val_batch_size,
-            custom_fn=self.custom_fn, timeout_s=self.cfg.reward.timeout_s).metrics
+            custom_fn=self.custom_fn, gsm8k_scorer=self.cfg.reward.gsm8k_scorer,
+            timeout_s=self.cfg.reward.timeout_s).metrics
 
     def generate(self, prompts: str | list[str], *, n: int = 1, temperature: float = 0.0,
                  max_new_tokens: int | None = None) -> list[list[str]]:
