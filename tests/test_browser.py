@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from backend.core.runs import read_metrics
-from backend.services.launcher import list_runs, read_run
+from backend.services.launcher import list_runs, read_run, stop
 
 from .browser import (
     CHROMIUM,
@@ -82,9 +82,9 @@ def test_launch_watch_stop_and_fork_a_tiny_run(page, workspace):
     # A click that lands while a refresh redraws the page can be dropped, as for a person; click again, but
     # only while the button is live: a run that is stopping (its workers shutting down) disables it.
     for _ in range(3):
-        stop = page.locator(f"{key('run_stop')} button")
-        if stop.is_enabled():
-            stop.click()
+        stop_button = page.locator(f"{key('run_stop')} button")
+        if stop_button.is_enabled():
+            stop_button.click()
             settle(page)
         deadline = time.time() + 30
         while time.time() < deadline and (run := list_runs(workspace / "runs")[0]).state != "stopped":
@@ -189,52 +189,38 @@ def test_a_run_outlives_a_restart_of_the_workbench_and_the_new_one_shows_it(brow
         stop_runs_and_server(home, server)
 
 
-def test_eight_runs_launched_at_once_all_finish_while_four_tabs_watch_them(browser, tmp_path):
-    """Load: 8 tiny runs launched from the UI back to back, the dashboard open on them in 4 tabs. Every run
-    must finish with every metrics line; how long each page takes to answer is printed (a report, not a
-    pass/fail timing: this machine has 2 cores shared by 8 trainers, 8 Rays and the browser)."""
+def test_runs_launched_back_to_back_all_finish_while_two_tabs_watch_them(browser, tmp_path):
+    """Three tiny runs launched from the UI one after the other, the dashboard reloaded on them in two tabs
+    meanwhile: every run finishes with every metrics line, and every page load draws the dashboard.
+    bench/ui_load.py measures the page times under more runs and tabs."""
     home = fresh_workspace(tmp_path / "home")
     steps = 2
     server, url = start_server(home)
-    timings: list[float] = []
     try:
         page = open_page(browser, url)
         use_tiny_config(page, steps=steps)
         go(page, "Runs")
-        for i in range(8):
+        for i in range(3):
             launch_from_runs_page(page, f"load-{i}")
         runs = list_runs(home / "runs")
-        assert len(runs) == 8
-        # Page times are the report here, not the verdict: a first paint while 8 runs start their Rays on
-        # 2 cores once took over 60 s (issue 9's open UI-under-load problem).
-        tabs = [open_page(browser, url, timeout_s=300) for _ in range(4)]
+        assert len(runs) == 3
+        tabs = [open_page(browser, url, timeout_s=300) for _ in range(2)]
+
         def all_ended() -> bool:
             return all(r.state in ("succeeded", "failed", "stopped") for r in list_runs(home / "runs"))
 
-        deadline = time.time() + 900
-        ended = False
-        while time.time() < deadline and not ended:
-            for tab, run in zip(tabs, runs[::2], strict=False):
-                start = time.perf_counter()
+        deadline = time.time() + 600
+        while time.time() < deadline and not all_ended():
+            for tab, run in zip(tabs, runs, strict=False):
                 tab.goto(f"{url}/runs")
                 tab.wait_for_selector("[data-testid='stSidebarNav']")
                 select_option(tab, "runs_selected", run.name)
-                timings.append(time.perf_counter() - start)
-                # Asked after every page load, not once a round: a round under this load took up to 90 s, and
-                # the rest of one after the last run ended watched nothing.
-                if ended := all_ended():
-                    break
-            else:
-                time.sleep(5)
         for tab in tabs:
             tab.context.close()
         page.context.close()
     finally:
         stop_runs_and_server(home, server)
     finished = list_runs(home / "runs")
-    assert sorted(r.state for r in finished) == ["succeeded"] * 8, [(r.name, r.state, r.error) for r in finished]
+    assert sorted(r.state for r in finished) == ["succeeded"] * 3, [(r.name, r.state, r.error) for r in finished]
     for run in finished:
         assert [m["step"] for m in read_metrics(run.path)] == list(range(1, steps + 1)), run.name
-    timings.sort()
-    print(f"\nload: {len(timings)} page loads with 8 runs going: median {timings[len(timings) // 2]:.2f} s, "
-          f"slowest {timings[-1]:.2f} s, over 2 s: {sum(t > 2 for t in timings)}")
