@@ -211,9 +211,11 @@ def test_token_lengths_match_the_engines_prompt_dataset(tiny_tokenizer):
         ("arithmetic", "3 + 4 = 7", "7", 0.5, None, "7", None),
         ("arithmetic", "#### 8", "7", 0.1, "8", "8", None),
         ("arithmetic", "", "7", 0.0, None, None, None),
-        ("openai/gsm8k", "So $1,234 in all.\n#### $1,234.", "1234", 1.0, "1,234", "1,234", None),
-        ("openai/gsm8k", "#### -$5", "-5", 1.0, "-5", "-5", None),
-        ("openai/gsm8k", "#### 5 #### ", "5", 0.5, None, "5", None),  # no number after the last ####
+        # GSM8K rows score by verl's rule: "#### $" and "#### -$" do not match it; a later "####" with no number
+        # does not hide an earlier one.
+        ("openai/gsm8k", "So $1,234 in all.\n#### $1,234.", "1234", 0.0, "1,234", "1,234", None),
+        ("openai/gsm8k", "#### -$5", "-5", 0.0, "-5", "-5", None),
+        ("openai/gsm8k", "#### 5 #### ", "5", 1.0, None, "5", None),
         ("math", r"so \boxed{\frac{1}{2}}", "0.5", 1.0, None, "2", r"\frac{1}{2}"),
     ],
 )

@@ -18,6 +18,10 @@ from pathlib import Path
 
 import torch
 
+from backend.core import checkpoint
+from backend.core.checkpoint import HF
+from backend.core.runs import tokenizer_source
+
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_MODELS = ("tiny-qwen3", "tiny-llama")
 SHIPPED = (SMOLLM2, *TINY_MODELS)
@@ -41,8 +45,6 @@ def cache_dir() -> Path:
 
 def is_model_folder(folder: str | Path) -> bool:
     """A Hugging Face model folder (config.json) or a sharded run checkpoint (backend.core.checkpoint)."""
-    from backend.core.checkpoint import HF
-
     folder = Path(folder)
     return (folder / "config.json").is_file() or (folder / HF / "config.json").is_file()
 
@@ -172,13 +174,8 @@ def load_tokenizer(name_or_path: str, tokenizer_path: str = ""):
     """The model's tokenizer (or tokenizer_path's), with a pad token and left padding for generation."""
     from transformers import AutoTokenizer
 
-    if tokenizer_path:
-        source = resolve_model(tokenizer_path)
-    else:
-        # A run checkpoint holds weights only; its tokenizer is the one its run was configured with.
-        from backend.core.runs import tokenizer_source
-
-        source = resolve_model(tokenizer_source(name_or_path))
+    # A run checkpoint holds weights only; its tokenizer is the one its run was configured with.
+    source = resolve_model(tokenizer_path or tokenizer_source(name_or_path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except OSError as e:
@@ -194,8 +191,6 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype = tor
     through `amp_context`, and plain generation on CPU wants fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from backend.core import checkpoint
-
     source = resolve_model(name_or_path)
     if checkpoint.is_sharded(source):
         return checkpoint.load_merged_model(source, dtype).to(device)
@@ -210,8 +205,6 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype = tor
 def model_config(name_or_path: str):
     """The model's Hugging Face config, read without loading weights."""
     from transformers import AutoConfig
-
-    from backend.core.checkpoint import HF
 
     source = Path(resolve_model(name_or_path))
     if (source / HF / "config.json").is_file():  # a sharded run checkpoint keeps its config there

@@ -482,7 +482,8 @@ def critic_settings(cfg: Config) -> dict:
             "ppo_micro_batch_size_per_gpu": c.ppo_micro_batch_size_per_gpu, "loss_agg_mode": c.loss_agg_mode,
             "param_dtype": c.fsdp_config.param_dtype, "offload_policy": c.fsdp_config.offload_policy,
             "use_torch_compile": actor.use_torch_compile, "seed": cfg.trainer.seed,
-            "loss_scale_factor": c.loss_scale_factor}
+            # null divides by the generation limit, a constant (verl pads every batch to that width)
+            "loss_scale_factor": c.loss_scale_factor or cfg.data.max_response_length}
 
 
 def _split_counts(n: int, parts: int) -> list[int]:

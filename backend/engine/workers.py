@@ -230,7 +230,7 @@ class ActorRolloutRefWorker(RankWorker):
                 mini = {k: v[start:start + mini_rows] for k, v in batch.items()}
                 num_tokens, num_seqs = counts[step]
                 agg = {"loss_agg_mode": a.loss_agg_mode, "num_tokens": num_tokens, "num_seqs": num_seqs,
-                       "loss_scale_factor": a.loss_scale_factor}
+                       "loss_scale_factor": a.loss_scale_factor or self.cfg.data.max_response_length}
                 self.optimizer.zero_grad(set_to_none=True)
                 step_losses: dict[str, torch.Tensor] = {}
                 n_micro = math.ceil(mini["responses"].shape[0] / a.ppo_micro_batch_size_per_gpu)

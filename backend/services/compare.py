@@ -32,7 +32,7 @@ import torch
 
 from backend.core import data
 from backend.core.models import amp_context, is_model_folder, load_model, load_tokenizer, pick_device, resolve_model
-from backend.core.runs import config_get, read_run_config
+from backend.core.runs import checkpoint_step, config_get, list_checkpoints, read_run_config
 from backend.engine.evaluation import is_correct
 from backend.engine.inference import Generator, chat_prompt_ids
 from backend.rewards.registry import load_custom_reward
@@ -83,6 +83,19 @@ def paired_difference_ci(a: Sequence[float], b: Sequence[float], z: float = 1.96
     sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1))
     half = z * sd / math.sqrt(len(d))
     return mean, mean - half, mean + half
+
+
+def blank_answer(text: str) -> str | None:
+    """What an answer that shows nothing is made of, in words ("empty", "12 newlines", "12 newlines and 3
+    spaces"), or None when it has something visible. A box with such an answer looks empty: the page says why."""
+    if text.strip():
+        return None
+    if not text:
+        return "empty"
+    named = {"\n": "newline", " ": "space", "\t": "tab", "\r": "carriage return"}
+    counts = Counter(named.get(c, "other blank character") for c in text)
+    parts = [f"{n} {what}{'s' if n > 1 else ''}" for what, n in counts.most_common()]
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
 # ---- loaded models ----
@@ -387,7 +400,6 @@ def resolve_checkpoint(run_dir: str | Path, checkpoint: str | Path) -> Path:
     path = Path(name).expanduser()
     if is_model_folder(path):
         return path
-    from backend.core.runs import list_checkpoints
 
     known = [p.name for p in list_checkpoints(run_dir)] + (["export"] if (run_dir / "export").is_dir() else [])
     raise FileNotFoundError(f"run {run_dir.name} has no checkpoint {name!r}; it has: {', '.join(known) or 'none'}")
@@ -397,10 +409,8 @@ def evaluate_checkpoint(run_dir: str | Path, checkpoint: str | Path, data_file: 
                         max_new_tokens: int | None = None, device: str = "auto",
                         progress: Callable[[int, int], None] | None = None) -> Path:
     """Greedy accuracy of one checkpoint of a run on a parquet file, scored as the run scores (its
-    custom reward function when it has one). Writes `<run>/evals/<checkpoint>__<data file stem>.json`
+    custom reward function when it has one, its GSM8K rule). Writes `<run>/evals/<checkpoint>__<data file stem>.json`
     (metrics, per-question records, settings, timestamp) and returns that path."""
-    from backend.core.runs import checkpoint_step
-
     run_dir = Path(run_dir)
     ckpt = resolve_checkpoint(run_dir, checkpoint)
     cfg = read_run_config(run_dir)
@@ -414,7 +424,8 @@ def evaluate_checkpoint(run_dir: str | Path, checkpoint: str | Path, data_file: 
         result = gen.evaluate(data_file, limit=limit, max_new_tokens=max_new_tokens,
                               max_prompt_length=int(config_get(cfg, "data.max_prompt_length") or 512),
                               custom_fn=custom_fn, timeout_s=float(config_get(cfg, "reward.timeout_s") or 10.0),
-                              progress=progress)
+                              # a run configured before the key existed was scored by the lenient rule
+                              gsm8k_scorer=config_get(cfg, "reward.gsm8k_scorer") or "lenient", progress=progress)
     record = {"run": run_dir.name, "checkpoint": ckpt.name, "model_path": str(ckpt), "step": checkpoint_step(ckpt),
               "data_file": str(data_file), "limit": limit, "n": len(result.records),
               "max_new_tokens": max_new_tokens, "metrics": result.metrics, "timestamp": time.time(),

@@ -46,6 +46,7 @@ OWN_KEYS = frozenset({
     "actor_rollout_ref.model.tokenizer_path",        # verl: data.tokenizer (see RENAMED)
     "trainer.max_checkpoints_to_keep",               # verl: trainer.max_actor_ckpt_to_keep (see RENAMED)
     "reward.timeout_s",
+    "reward.gsm8k_scorer",                            # verl scores GSM8K one way (ours: reward.gsm8k_scorer=verl)
     "trainer.export_at_end",
     "trainer.stall_warning_s",
     "trainer.token_log_max",
