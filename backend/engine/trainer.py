@@ -306,7 +306,8 @@ class Trainer:
 
             # ---- reward ----
             texts, scored = self._wait(rollout.scoring)
-            token_level_rewards, reward_metrics = self._rewards(scored, tensors, response_mask, len(rollout.items))
+            scores, token_level_rewards, reward_metrics = self._rewards(scored, tensors, response_mask,
+                                                                        len(rollout.items))
             baselines = self._greedy_baselines(rollout.items, step, timings)[group_ids] if self.remax else None
 
             # ---- advantages ----
@@ -329,7 +330,7 @@ class Trainer:
             metrics["reward/first_error"] = scored.first_error
         if self.has_critic:
             metrics.update(stats("critic/values", tensors["values"][response_mask.bool()]))
-        metrics.update(batch_metrics(batch, torch.tensor(scored.scores), token_level_rewards, tensors["advantages"],
+        metrics.update(batch_metrics(batch, scores, token_level_rewards, tensors["advantages"],
                                      tensors["returns"], group_ids, cfg.data.max_response_length))
         metrics["perf/total_num_tokens"] = int(batch.attention_mask.sum())
         metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / timings["timing_s/step"]
@@ -404,9 +405,10 @@ class Trainer:
         return scoring.result()
 
     def _rewards(self, scored: ScoredBatch, tensors: dict[str, torch.Tensor], response_mask: torch.Tensor,
-                 prompts: int) -> tuple[torch.Tensor, dict[str, float]]:
-        """(B, R) token-level rewards: each response's score (with DAPO's overlong penalty when asked) on its
-        last token, less the KL penalty when algorithm.use_kl_in_reward; and what shaped them."""
+                 prompts: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Each response's score with DAPO's overlong penalty when asked (B,), the (B, R) token-level rewards
+        (that score on the last token, less the KL penalty when algorithm.use_kl_in_reward), and what shaped
+        them."""
         cfg, metrics = self.cfg, {}
         scores = torch.tensor(scored.scores, dtype=torch.float32)  # (B,)
         ob = cfg.reward.overlong_buffer
@@ -424,7 +426,7 @@ class Trainer:
                                                    self.kl_ctrl.value, cfg.algorithm.kl_penalty)
             self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=prompts)
             metrics.update(kl_metrics)
-        return rewards, metrics
+        return scores, rewards, metrics
 
     def _update(self, step: int, tensors: dict[str, torch.Tensor], timings: dict[str, float]
                 ) -> tuple[dict[str, float], MarkedRows | None]:
