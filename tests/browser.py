@@ -69,10 +69,11 @@ def workspace(tmp_path_factory) -> Path:
     return fresh_workspace(tmp_path_factory.mktemp("workspace"))
 
 
-def start_server(workspace: Path) -> tuple[subprocess.Popen, str]:
-    """`streamlit run app/main.py` on a free port with `workspace` as the workbench's home; waits until it answers."""
+def start_server(workspace: Path, **env_vars: str) -> tuple[subprocess.Popen, str]:
+    """`streamlit run app/main.py` on a free port with `workspace` as the workbench's home (and `env_vars` in its
+    environment); waits until it answers."""
     port = free_port()
-    env = {**os.environ, "GRPO_WB_HOME": str(workspace)}
+    env = {**os.environ, "GRPO_WB_HOME": str(workspace), **env_vars}
     with open(workspace / "streamlit.log", "a") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "streamlit", "run", str(REPO / "app/main.py"), "--server.port", str(port),
@@ -143,11 +144,63 @@ def key(name: str) -> str:
     return f".st-key-{name}"
 
 
-def settle(page) -> None:
-    """Wait until Streamlit has finished the current script run."""
+SCRIPT_STATE = "() => document.querySelector('[data-testid=\"stApp\"]')?.dataset.testScriptState || ''"
+
+
+def settle(page, timeout_s: float = 120) -> None:
+    """Wait until Streamlit has finished the script run (or fragment run) the last action started. It reads the
+    app's own run state (stApp's data-test-script-state), not the running indicator, which shows only after
+    half a second of a run. Idle must be seen twice 200 ms apart: a click's run can start a moment after the
+    first look."""
     page.wait_for_timeout(300)
-    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')",
-                           timeout=60_000)
+    deadline = time.time() + timeout_s
+    idle = 0
+    while idle < 2:
+        state = page.evaluate(SCRIPT_STATE)
+        if time.time() > deadline:
+            raise AssertionError(f"the page was still {state!r} after {timeout_s:.0f} s")
+        idle = idle + 1 if state in ("notRunning", "compilationError") else 0
+        page.wait_for_timeout(200)
+
+
+# What tells a user the app is working: the running indicator (top right, shown once a run has taken half a
+# second), a spinner, a progress bar, or an st.status that is still running.
+SIGNS_OF_WORK = ", ".join(f"[data-testid='{t}']" for t in (
+    "stStatusWidget", "stSpinner", "stProgress", "stExpanderIconSpinner"))
+WATCH = """() => {
+  clearInterval(window.__watch?.timer);
+  const inView = el => { const r = el.getBoundingClientRect();
+                         return r.width > 0 && r.height > 0 && r.bottom > 0 && r.top < window.innerHeight; };
+  const log = [];
+  const sample = () => {
+    const state = document.querySelector('[data-testid="stApp"]')?.dataset.testScriptState || '';
+    log.push([performance.now(), state === 'running' || state === 'rerunRequested',
+              [...document.querySelectorAll(SIGNS)].some(inView)]);
+  };
+  window.__watch = {start: performance.now(), log, timer: setInterval(sample, 100)};
+  sample();
+}""".replace("SIGNS", repr(SIGNS_OF_WORK))
+
+
+def watch_for_silence(page) -> None:
+    """Sample every 100 ms, from now on, whether a script run is going and whether a sign of work is in view."""
+    page.evaluate(WATCH)
+
+
+def silences(page) -> tuple[float, float]:
+    """Since watch_for_silence: (the longest stretch, in seconds, in which a run went on with no sign of work
+    in view; seconds from the start of the watch to the end of the last run seen)."""
+    log, start = page.evaluate("() => [window.__watch.log, window.__watch.start]")
+    longest, quiet_since, last_busy = 0.0, None, start
+    for t, running, sign in log:
+        if running:
+            last_busy = t
+        if running and not sign:
+            quiet_since = t if quiet_since is None else quiet_since
+            longest = max(longest, t - quiet_since)
+        else:
+            quiet_since = None
+    return longest / 1000, (last_busy - start) / 1000
 
 
 def go(page, title: str) -> None:
