@@ -261,17 +261,61 @@ def test_offload_moves_the_actors_state_to_host_memory():
 def test_on_cpu_gpu_memory_does_not_apply_and_the_host_total_is_given():
     p = planner.plan(tiny("trainer.device=cpu", "trainer.n_gpus_per_node=2"))
     assert p.device == "cpu" and p.gpu is None and p.compute_bytes == 4
-    assert p.step_seconds is None and all(ph.seconds is None for ph in p.phases)
     peak = max(ph.allocated for ph in p.phases if ph.runs)
     assert p.need_gib == pytest.approx(2 * peak / GiB)  # both workers of the node, no fragmentation factor
     assert "GPU memory does not apply" in p.verdict and "host memory" in p.verdict
 
 
-def test_gpu_defaults_to_the_visible_one_else_h200_with_a_note(monkeypatch):
+CPU_CHOSEN = {"cpu_pass_efficiency": 0.5, "cpu_decode_efficiency": 0.25, "cpu_decode_layer_overhead_s": 0.001,
+              "cpu_micro_batch_overhead_s": 0.01}
+
+
+def test_cpu_step_time_is_this_machines_measured_speed_through_the_formulas(monkeypatch):
+    monkeypatch.setattr(planner, "cpu_flops", lambda: 100e9)
+    # 4 x 4 = 16 responses of 100 + 28 = 128 tokens, one optimizer step (no old log-probs), a reference,
+    # generation 5 at a time, the reference in one micro-batch of 16, the update in two of 8.
+    p = planner.plan(tiny("trainer.device=cpu", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
+                          "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "data.max_prompt_length=100",
+                          "data.max_response_length=28", "actor_rollout_ref.rollout.generation_batch_size=5",
+                          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16"), calibration=CPU_CHOSEN)
+    passes, decode = 100e9 * 0.5, 100e9 * 0.25
+    tokens = 16 * 128
+    # 4 rounds of 5 rows: 28 decode steps (the products of 5 rows, 1 ms a layer) and a prefill of 100 tokens each
+    generation = 4 * (28 * (2 * P * 5 / decode + 0.001 * L) + 2 * P * 5 * 100 / passes)
+    reference = 2 * P * tokens / passes + 1 * 0.01
+    update = 6 * P * tokens / passes + 2 * 2 * 0.01  # a backward counts twice
+    assert p.phase("generation").seconds == pytest.approx(generation)
+    assert not p.phase("old log-prob").runs
+    assert p.phase("reference log-prob").seconds == pytest.approx(reference)
+    assert p.phase("update").seconds == pytest.approx(update)
+    assert p.step_seconds == pytest.approx(generation + reference + update)
+    assert any("100 GFLOP/s" in n for n in p.notes)
+    # two worker processes share the node's cores: each has half the speed for half the rows
+    two = planner.plan(tiny("trainer.device=cpu", "trainer.n_gpus_per_node=2"), calibration=CPU_CHOSEN)
+    one = planner.plan(tiny("trainer.device=cpu"), calibration=CPU_CHOSEN)
+    assert two.phase("update").seconds == pytest.approx(one.phase("update").seconds, rel=0.35)
+
+
+def test_cpu_flops_is_a_positive_speed_and_leaves_torchs_threads_as_they_were():
+    import torch
+
+    threads = torch.get_num_threads()
+    planner.cpu_flops.cache_clear()
+    assert 1e8 < planner.cpu_flops() < 1e14
+    assert torch.get_num_threads() == threads
+
+
+def test_the_plan_is_for_this_machine_its_gpu_else_its_cpu(monkeypatch):
     monkeypatch.setattr(planner, "visible_gpu", lambda: None)
-    p = planner.plan(tiny())
+    p = planner.plan(tiny())  # trainer.device=auto: a run started here would train on the CPU
+    assert p.device == "cpu" and p.gpu is None and p.verdict.endswith("GiB on this machine")
+    assert any("planned for this machine's CPU" in n for n in p.notes)
+    assert planner.this_machine().startswith("this machine's CPU")
+    p = planner.plan(tiny("trainer.device=cuda"))  # a GPU asked for and none here: plan for the default GPU
     assert p.gpu.name == "h200" and any("no CUDA GPU is visible" in n for n in p.notes)
     monkeypatch.setattr(planner, "visible_gpu", lambda: planner.GPU("NVIDIA Mystery", 12.0, None, None))
+    assert planner.this_machine() == "this machine's GPU (NVIDIA Mystery, 12 GiB)"
     p = planner.plan(tiny())
     assert p.gpu.memory_gib == 12.0 and p.step_seconds is None
     assert any("not in the table" in n for n in p.notes)

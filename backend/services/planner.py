@@ -87,6 +87,17 @@ CALIBRATION: dict[str, float] = {
     "micro_batch_overhead_s": 0.017,      # launches and Python of a forward pass over one micro-batch (a
                                           #    backward counts twice): what dominates a tiny model's passes
     "fp32_flops_fraction": 0.068,         # fp32 compute (no tensor cores, TF32 off) / bf16 peak: H100 67 / 989
+    # CPU time, as fractions of this machine's measured matrix-multiply speed (cpu_flops). Calibrated on the
+    # 2-core CPU these numbers came from, against configs/default.yaml (SmolLM2-135M, 16 responses of at most
+    # 128 + 64 tokens; steps 2-4 of `python -m backend train configs/default.yaml trainer.total_training_steps=4`
+    # while cpu_flops measured about 204 GFLOP/s: generation 7.4-10.2 s, reference 4.2-5.1 s, update 16.3-19.2 s)
+    # and configs/quick_try.yaml (tiny-qwen3: generation 0.04 s, reference 0.02 s, update 0.06 s, all overhead).
+    "cpu_pass_efficiency": 0.73,          # the forward and backward passes (the formula's T counts padding to the
+                                          #    longest allowed lengths, which the engine does not run)
+    "cpu_decode_efficiency": 0.64,        # the matrix products of a decode step (bg rows)
+    "cpu_decode_layer_overhead_s": 0.00125,  # Python and dispatch per decode step and layer (the tiny model's
+                                             #    generation is nothing else)
+    "cpu_micro_batch_overhead_s": 0.012,  # per forward pass over one micro-batch (a backward counts twice)
 }
 
 
@@ -141,9 +152,53 @@ def visible_gpu() -> GPU | None:
 
 
 def default_gpu() -> str:
-    """The table's name of the visible GPU when it is in the table, else h200: what `--gpu` defaults to."""
+    """The table's name of the visible GPU when it is in the table, else h200."""
     seen = visible_gpu()
     return seen.name if seen is not None and seen.name in GPUS else DEFAULT_GPU
+
+
+def this_machine() -> str:
+    """What a plan without a named GPU is for, in words: the visible GPU, else this machine's CPU and memory."""
+    seen = visible_gpu()
+    if seen is not None:
+        return f"this machine's GPU ({seen.name}, {seen.memory_gib:.0f} GiB)"
+    memory = _host_memory_gib()
+    return f"this machine's CPU ({os.cpu_count()} cores{f', {memory:.0f} GiB' if memory else ''})"
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flops() -> float:
+    """This machine's fp32 matrix-multiply speed in FLOP/s: one core's, times torch's threads (what a run's worker
+    uses), measured once per process. One core's is the fastest of the products of two 512 x 512 matrices made in
+    0.3 s on a thread of its own: with two threads, the speed measured on this 2-core machine ranged from 22 to
+    194 GFLOP/s with other work running, as a product waits for its slower thread; one thread's stayed at
+    101-103. OpenMP's thread count is per thread, but torch also keeps it as the default of threads that have not
+    used torch yet: the caller's is fixed first, and the default is put back as it was."""
+    import threading
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    fastest: list[float] = []
+
+    def measure() -> None:
+        torch.set_num_threads(1)
+        try:
+            a = torch.randn(512, 512)
+            best = math.inf
+            end = time.perf_counter() + 0.3
+            while (start := time.perf_counter()) < end:
+                a @ a
+                best = min(best, time.perf_counter() - start)
+            fastest.append(best)
+        finally:
+            torch.set_num_threads(threads)
+
+    thread = threading.Thread(target=measure, name="cpu-flops")
+    thread.start()
+    thread.join()
+    return 2 * 512**3 / fastest[0] * threads
 
 
 # ---- the model ----
@@ -362,11 +417,13 @@ def _target(cfg: Config, gpu: str | None) -> tuple[str, GPU | None, list[str]]:
     if gpu is not None:
         return "cuda", GPUS[gpu], []
     seen = visible_gpu()
+    if seen is None and cfg.trainer.device == "auto":
+        # What a run started here would use: trainer.device=auto takes the CPU when no GPU is visible.
+        return "cpu", None, [f"no CUDA GPU is visible here: planned for this machine's CPU, which a run started here "
+                             f"with trainer.device=auto uses (name a GPU, e.g. --gpu {DEFAULT_GPU}, to plan for one)"]
     if seen is None:
-        note = f"no CUDA GPU is visible here: planned for an {DEFAULT_GPU} (choose another with --gpu)"
-        if cfg.trainer.device == "auto":
-            note += "; a run started on this machine with trainer.device=auto would use the CPU"
-        return "cuda", GPUS[DEFAULT_GPU], [note]
+        return "cuda", GPUS[DEFAULT_GPU], [f"trainer.device=cuda and no CUDA GPU is visible here: planned for an "
+                                           f"{DEFAULT_GPU} (choose another with --gpu)"]
     if seen.tflops is None:
         return "cuda", seen, [f"the visible GPU ({seen.name}) is not in the table: its memory is used, the "
                               f"step time is not predicted (name one of {', '.join(GPUS)} with --gpu for that)"]
@@ -486,20 +543,30 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
 
     # ---- time ----
     flops = bw = None
+    tokens = rows_rank * T
+    overhead = cal["micro_batch_overhead_s"]
     if on_gpu and gpu is not None and gpu.tflops:
         flops = gpu.tflops * 1e12 * cal["mfu"] * (1.0 if c == 2 else cal["fp32_flops_fraction"])
         bw = gpu.bandwidth_tbs * 1e12 * cal["decode_efficiency_hf" if engine == "hf" else "decode_efficiency_workbench"]
     elif not on_gpu:
-        notes.append("time is not predicted on CPU")
-    tokens = rows_rank * T
-    overhead = cal["micro_batch_overhead_s"]
+        machine = cpu_flops() / per_node  # the node's worker processes share its cores
+        flops, overhead = machine * cal["cpu_pass_efficiency"], cal["cpu_micro_batch_overhead_s"]
+        notes.append(f"times are for this machine's CPU ({cpu_flops() / 1e9:.0f} GFLOP/s measured in fp32 matrix "
+                     "products) with nothing else running; other work here slows them down")
 
     def seconds(value):
         return value() if flops else None
 
     step_overhead = cal["decode_step_overhead_hf_s"] + cal["decode_layer_overhead_hf_s"] * L if engine == "hf" else 0.0
+
+    def decode_step_s() -> float:
+        """One decode step over bg rows: on a GPU reading the weights and half the KV cache; on a CPU its products."""
+        if on_gpu:
+            return step_overhead + (c * P + 0.5 * kv) / bw
+        return 2 * P * bg / (machine * cal["cpu_decode_efficiency"]) + cal["cpu_decode_layer_overhead_s"] * L
+
     gen_s = None if engine == "vllm" else seconds(lambda: math.ceil(rows_rank / bg) * (
-        R * (step_overhead + (c * P + 0.5 * kv) / bw) + 2 * P * bg * d.max_prompt_length / flops))
+        R * decode_step_s() + 2 * P * bg * d.max_prompt_length / flops))
 
     def forward_s(m: int) -> float | None:
         return seconds(lambda: 2 * P * tokens / flops + math.ceil(rows_rank / m) * overhead)
@@ -566,7 +633,7 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         need, capacity = peak.reserved * per_node / GiB, _host_memory_gib()
         fits = capacity is None or need <= capacity
         need_text = (f"{need:.2f} GiB of host memory for {per_node} worker process{'es' if per_node > 1 else ''} "
-                     f"({peak.name}; GPU memory does not apply with trainer.device=cpu)")
+                     f"({peak.name}; on the CPU, GPU memory does not apply)")
         if capacity is None:
             verdict = f"needs {need_text}"
         elif fits:
