@@ -151,12 +151,6 @@ def visible_gpu() -> GPU | None:
     return replace(GPUS[kind], memory_gib=memory)
 
 
-def default_gpu() -> str:
-    """The table's name of the visible GPU when it is in the table, else h200."""
-    seen = visible_gpu()
-    return seen.name if seen is not None and seen.name in GPUS else DEFAULT_GPU
-
-
 def this_machine() -> str:
     """What a plan without a named GPU is for, in words: the visible GPU, else this machine's CPU and memory."""
     seen = visible_gpu()
