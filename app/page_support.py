@@ -20,9 +20,10 @@ def is_entry_point(page_file: str) -> bool:
         return False
 
 
-def guarded(section, *args) -> None:
-    """Draw one section of a page; a bug in it becomes a message and the rest of the page still draws."""
+def guarded(section, *args, slot=None) -> None:
+    """Draw one section of a page; a bug in it becomes a message and the rest of the page still draws. The
+    message goes into `slot` (an st.empty the section was to fill) when there is one, replacing what waited there."""
     try:
         section(*args)
     except Exception as e:  # a section's own bug must not take down the rest of the page
-        st.error(f"{section.__name__.strip('_').replace('_', ' ')} failed: {type(e).__name__}: {e}")
+        (slot or st).error(f"{section.__name__.strip('_').replace('_', ' ')} failed: {type(e).__name__}: {e}")

@@ -16,8 +16,10 @@ Runs on its own too under AppTest.from_file("pages/config.py").
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import streamlit as st
+from page_support import guarded
 
 from backend.core import config as C
 from backend.core import workspace
@@ -30,6 +32,7 @@ PREFLIGHT = "_config_preflight"  # {"text": ..., "problems": [...]} of the last 
 LOADED = "_config_loaded_from"
 PLAN_OPEN = "config_plan_open"          # whether the plan panel is open (it plans only then)
 PLAN_GPUS_FROM = "_config_plan_gpus_from"  # the trainer.n_gpus_per_node the GPU count field was last set from
+THIS_MACHINE = "this machine"            # the plan panel's first choice: plan for where the workbench runs
 
 # The common fields, by group: (dotted key, label). The widget kind, help and choices come from the schema.
 GROUPS: dict[str, list[tuple[str, str]]] = {
@@ -162,6 +165,34 @@ def _on_load() -> None:
     ss[LOADED] = ("ok", label)
 
 
+@st.cache_data(show_spinner=False, ttl=60)
+def _time_estimate(name: str, stamp: int) -> str:
+    # ttl: a shipped model made since (by a run or a check) turns "estimated once the model is made" into a time
+    return presets.time_estimate(name)
+
+
+def _which_preset() -> Any:
+    """What to pick when new, and a slot for how long each preset takes here (filled last: the first estimate
+    reads the models' sizes and measures this machine, a few seconds)."""
+    st.markdown(f"**New here?** The config below starts as the **{presets.DEFAULT_PRESET}**: the whole flow (launch, "
+                "live charts, rollouts, compare, export) with a model too small and random to learn anything. "
+                "**GRPO on the arithmetic sample** trains SmolLM2-135M-Instruct, which does learn the arithmetic.")
+    slot = st.empty()
+    slot.status("Estimating how long each preset takes on this machine...", state="running")
+    return slot
+
+
+def _preset_times(slot) -> None:
+    lines = []
+    for name, path in presets.list_presets().items():
+        if path is not None:
+            lines.append(f"- {name}: {_time_estimate(name, path.stat().st_mtime_ns)}")
+    with slot.container():
+        st.caption("How long each preset's steps take on this machine (start-up, validation and checkpoints not "
+                   "counted; the plan panel below has the details for the config being edited):")
+        st.markdown("\n".join(lines))
+
+
 def _on_check_files(text: str) -> None:
     cfg, problems = C.config_from_yaml_text(text)
     if cfg is not None:
@@ -276,15 +307,16 @@ def _plan_panel(cfg: C.Config | None) -> None:
                    "config and the model's dimensions (`python -m backend plan CONFIG` prints the same).")
         if ss.get(PLAN_GPUS_FROM) != cfg.trainer.n_gpus_per_node or "config_plan_gpus" not in ss:
             ss["config_plan_gpus"] = ss[PLAN_GPUS_FROM] = cfg.trainer.n_gpus_per_node
-        names = list(planner.GPUS)
         gpu_col, count_col = st.columns(2)
-        gpu = gpu_col.selectbox("GPU", names, index=names.index(planner.default_gpu()), key="config_plan_gpu",
-                                help="The kind of GPU the run will use (default: the one visible here).")
+        target = gpu_col.selectbox(
+            "Plan for", [THIS_MACHINE, *planner.GPUS], key="config_plan_gpu",
+            format_func=lambda t: planner.this_machine() if t == THIS_MACHINE else f"{t} GPU",
+            help="Where the run will train: this machine (its GPU, else its CPU and memory), or a GPU of the table.")
         gpus = count_col.number_input("GPUs per node", min_value=1, step=1, key="config_plan_gpus",
                                       help="trainer.n_gpus_per_node for the plan; the YAML is not changed.")
         try:
             with st.spinner("Reading the model's dimensions..."):
-                result = planner.plan(cfg, gpu=gpu, gpus=int(gpus))
+                result = planner.plan(cfg, gpu=None if target == THIS_MACHINE else target, gpus=int(gpus))
         except ConfigError as e:
             _errors(e.problems)
             return
@@ -400,6 +432,7 @@ def render() -> None:
         st.error(what)
     elif outcome == "ok":
         st.caption(f"Loaded {what}.")
+    times_slot = _which_preset()
 
     # ---- what the engine says ----
     cfg, problems = C.config_from_yaml_text(text)
@@ -436,6 +469,7 @@ def render() -> None:
     _plan_panel(cfg)
     _save_and_commands(text, cfg)
     _verl(cfg)
+    guarded(_preset_times, times_slot, slot=times_slot)
 
 
 render()

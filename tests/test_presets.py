@@ -4,6 +4,7 @@ page is built on: YAML text in, config and per-field messages out, batch arithme
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -31,8 +32,9 @@ def home(tmp_path, monkeypatch):
 def test_every_preset_loads_and_validates():
     # data files that do not exist (GSM8K's) are not the schema's business: only preflight checks them
     names = list(presets.list_presets())
-    assert names == ["GRPO on the arithmetic sample", "GSM8K GRPO", "Dr.GRPO", "Recipe: arithmetic, one GPU",
-                     "Recipe: arithmetic, CPU (about 15 min)", "Recipe: GSM8K, one GPU", "blank"]
+    assert names == ["Quick try (tiny random model)", "GRPO on the arithmetic sample", "GSM8K GRPO", "Dr.GRPO",
+                     "Recipe: arithmetic, one GPU", "Recipe: arithmetic, CPU (about 15 min)", "Recipe: GSM8K, one GPU",
+                     "blank"]
     for name, path in presets.list_presets().items():
         cfg, problems = C.config_from_yaml_text(presets.preset_yaml_text(name))
         assert problems == [], name
@@ -44,7 +46,32 @@ def test_every_preset_loads_and_validates():
 
 def test_the_arithmetic_preset_is_the_default_config_file():
     assert presets.list_presets()["GRPO on the arithmetic sample"] == REPO / "configs/default.yaml"
-    assert presets.DEFAULT_PRESET == "GRPO on the arithmetic sample"
+
+
+def test_the_workbench_opens_on_the_quick_try_of_a_tiny_model_on_the_sample():
+    assert presets.DEFAULT_PRESET == "Quick try (tiny random model)"
+    cfg = load_config(presets.list_presets()[presets.DEFAULT_PRESET])
+    assert cfg.actor_rollout_ref.model.path == "tiny-qwen3"
+    assert cfg.data.train_files == ["sample_data/arithmetic_train.parquet"]
+
+
+def test_a_time_estimate_names_the_model_the_steps_and_their_time_here(monkeypatch):
+    from backend.services import planner
+
+    monkeypatch.setattr(planner, "cpu_flops", lambda: 200e9)
+    monkeypatch.setattr(planner, "visible_gpu", lambda: None)
+    step_s = planner.plan(load_config(presets.list_presets()["GRPO on the arithmetic sample"])).step_seconds
+    assert 10 < step_s < 60  # 29-34 s measured on a 2-core CPU of about 200 GFLOP/s
+    assert presets.time_estimate("GRPO on the arithmetic sample") == \
+        f"smollm2-135m-instruct, 20 steps: about {round(20 * step_s / 60)} min here"
+    assert re.fullmatch(r"tiny-qwen3, 30 steps: about \d+ s here", presets.time_estimate(presets.DEFAULT_PRESET))
+
+
+def test_a_time_estimate_names_a_shipped_model_not_made_yet_instead_of_making_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRPO_WB_CACHE", str(tmp_path))
+    estimate = presets.time_estimate("Dr.GRPO")
+    assert estimate == "smollm2-135m-instruct; the time is estimated once the model is made (on its first use)"
+    assert not any(tmp_path.iterdir())  # nothing converted
 
 
 def test_blank_preset_is_the_schema_defaults():

@@ -18,10 +18,13 @@ CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 # Config page writes it; the Runs page launches it). Absent until the Config page has run once; then
 # DEFAULT_PRESET's text is the sensible fallback.
 SESSION_KEY = "config_yaml_text"
-DEFAULT_PRESET = "GRPO on the arithmetic sample"
+# The workbench opens on the quick try: a newcomer's first run shows its charts within half a minute on two CPU
+# cores, where configs/default.yaml (SmolLM2) takes most of a minute a step.
+DEFAULT_PRESET = "Quick try (tiny random model)"
 
 # name -> file in configs/ (None: the schema defaults, no file)
 _PRESETS: dict[str, str | None] = {
+    DEFAULT_PRESET: "quick_try.yaml",
     "GRPO on the arithmetic sample": "default.yaml",
     "GSM8K GRPO": "gsm8k_grpo.yaml",
     "Dr.GRPO": "drgrpo.yaml",
@@ -57,6 +60,42 @@ def preset_yaml_text(name: str) -> str:
     """The preset's YAML text, comments included (the schema defaults written out for "blank")."""
     path = _preset_path(name)
     return path.read_text() if path else dump_yaml(to_dict(Config()))
+
+
+def time_estimate(name: str) -> str:
+    """How long the preset's run takes on this machine, in words: its model, its steps and their time as
+    backend.services.planner predicts it here (start-up, validation and checkpoints not counted). A shipped
+    model that has not been made yet is named instead of made: converting SmolLM2 takes most of a minute."""
+    from backend.core.config import config_from_yaml_text
+    from backend.core.models import SHIPPED, cache_dir, is_model_folder
+    from backend.services import planner
+
+    cfg, problems = config_from_yaml_text(preset_yaml_text(name))
+    if cfg is None:
+        return f"not valid: {problems[0]}"
+    model = cfg.actor_rollout_ref.model.path
+    if model in SHIPPED and not is_model_folder(cache_dir() / model):
+        return f"{model}; the time is estimated once the model is made (on its first use)"
+    try:
+        step_s = planner.plan(cfg).step_seconds
+    except (ConfigError, ValueError) as e:  # ModelError is a ValueError: a model this machine cannot read
+        return f"{model}; no estimate ({e})"
+    if step_s is None:
+        return f"{model}; no estimate of its time here"
+    steps = cfg.trainer.total_training_steps
+    if not steps:
+        return f"{model}, about {_duration(step_s)} a step here"
+    return f"{model}, {steps} steps: about {_duration(steps * step_s)} here"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{max(1, round(seconds))} s"
+    if seconds < 90 * 60:
+        return f"{round(seconds / 60)} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.0f} days"
 
 
 def run_configs(runs_root: str | Path) -> dict[str, Path]:
