@@ -1,8 +1,10 @@
 """The workbench's entry point: `streamlit run app/main.py` (what `make run` starts)."""
 
 import streamlit as st
+from page_support import warm_up_imports
 
 st.set_page_config(page_title="GRPO Workbench", layout="wide")
+warm_up_imports()
 
 navigation = st.navigation([
     st.Page("../pages/config.py", title="Config", icon=":material/tune:", default=True),

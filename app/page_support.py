@@ -3,6 +3,8 @@ Streamlit puts app/ (the entry point's folder) on the import path."""
 
 from __future__ import annotations
 
+import importlib
+import threading
 from pathlib import Path
 
 import streamlit as st
@@ -27,3 +29,23 @@ def guarded(section, *args, slot=None) -> None:
         section(*args)
     except Exception as e:  # a section's own bug must not take down the rest of the page
         (slot or st).error(f"{section.__name__.strip('_').replace('_', ' ')} failed: {type(e).__name__}: {e}")
+
+
+# What pages import on first use, seconds of it on two cores: pandas (st.dataframe, 0.75 s), plotly's figures,
+# transformers' AutoTokenizer (1.6 s) and what its first from_pretrained imports, a model's config class, whose
+# transformers.activations pulls in torch.distributed.tensor (1.1 s). Imported once per server, in the background,
+# while the first page draws: the Data page's first visit finds them loaded.
+_SLOW_IMPORTS = ("pandas", "plotly.graph_objects", "transformers.models.auto.tokenization_auto",
+                 "transformers.activations")
+_warm_up_started = threading.Lock()
+
+
+def _import_slow_modules() -> None:
+    for name in _SLOW_IMPORTS:
+        importlib.import_module(name)
+
+
+def warm_up_imports() -> None:
+    """Start importing _SLOW_IMPORTS on a thread of their own, the first time only."""
+    if _warm_up_started.acquire(blocking=False):
+        threading.Thread(target=_import_slow_modules, name="warm-up-imports", daemon=True).start()

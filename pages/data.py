@@ -6,6 +6,11 @@ truths, a read-only SQL box over the view `data`, a reward playground, and the p
 would reject the file for. The page draws what `backend.services.preview` answers; every error is shown where
 it happened and the rest of the page still renders.
 
+The token lengths use the model and data.max_prompt_length of the config being edited (the Config page's).
+What needs that model's tokenizer is drawn last, into slots that say what they wait for: a shipped model
+may have to be made first (converting SmolLM2 takes most of a minute), and the rest of the page is there
+meanwhile.
+
 Runs inside the workbench (app/main.py, st.navigation), or on its own under AppTest.
 """
 
@@ -22,9 +27,10 @@ import streamlit as st
 from page_support import guarded, is_entry_point
 
 from backend.core import workspace
-from backend.core.models import SHIPPED, SMOLLM2, load_tokenizer
+from backend.core.config import Config, draft_config
+from backend.core.models import SHIPPED, load_tokenizer
 from backend.rewards.registry import known_data_sources
-from backend.services import preview
+from backend.services import presets, preview
 
 # Read when the page runs (not bound as a default argument), so a test can lower it on the loaded module.
 UPLOAD_LIMIT_MB = 200
@@ -35,6 +41,7 @@ PROMPT_SAMPLE = 2000
 # Checking every row loads the whole file into Python, as the trainer does: automatic up to this size.
 AUTO_CHECK_ROWS = 50_000
 TYPE_YOUR_OWN = "(type your own)"
+FROM_CONFIG = "_data_from_config"  # the (model, max_prompt_length) of the config the two fields were last set from
 
 
 # ---- cached backend answers (keyed by path and file stamp, so an edited file is read again) ----
@@ -214,36 +221,73 @@ def _first_rows(summary: dict[str, Any]) -> None:
             st.json(json.dumps(row, default=str, ensure_ascii=False), expanded=False)
 
 
-def _token_lengths(path: Path, stamp: tuple[int, int], summary: dict[str, Any]) -> None:
+def _config_settings() -> tuple[str, int]:
+    """The model and data.max_prompt_length of the config being edited (the Config page's text, else the
+    landing preset's). A config with problems still names them: the draft takes every key it can."""
+    text = st.session_state.get(presets.SESSION_KEY) or presets.preset_yaml_text(presets.DEFAULT_PRESET)
+    draft = draft_config(text) or Config()
+    return draft.actor_rollout_ref.model.path, draft.data.max_prompt_length
+
+
+def _follow_config() -> None:
+    """Set the model and length fields from the config being edited: on the first visit unless a test or another
+    page set them, and again whenever that config names another model or length. An edit here holds until then."""
+    ss = st.session_state
+    settings = _config_settings()
+    if FROM_CONFIG not in ss:
+        ss.setdefault("data_model_name", settings[0])
+        ss.setdefault("data_max_prompt_length", settings[1])
+    elif ss[FROM_CONFIG] != settings:
+        ss["data_model_name"], ss["data_max_prompt_length"] = settings
+    ss[FROM_CONFIG] = settings
+
+
+def _token_length_fields(summary: dict[str, Any]) -> tuple[str, int, Any] | None:
+    """The section's fields and an empty slot that says what it waits for; the histogram fills the slot once
+    the rest of the page is drawn (it needs the model's tokenizer, which may have to be built first)."""
     st.subheader("Prompt token lengths")
-    st.session_state["_data_tokenizer_ok"] = None  # set again below once the tokenizer has worked
+    st.session_state["_data_tokenizer_ok"] = st.session_state["_data_lengths_fit"] = None  # set once measured
     if not summary["prompts"]:
         st.info("No prompt column: nothing to measure.")
-        return
+        return None
+    model_from, length_from = st.session_state[FROM_CONFIG]
     left, right = st.columns(2)
     max_len = int(left.number_input("data.max_prompt_length", min_value=1, step=32, key="data_max_prompt_length"))
     model = right.text_input("Tokenizer of model", key="data_model_name",
                              help=f"A shipped model ({', '.join(SHIPPED)}), a model folder, or a Hub id.")
+    st.caption(f"From the config being edited: {model_from}, data.max_prompt_length={length_from}. Change them "
+               "here to look with another model or length; the config stays as it is.")
+    slot = st.empty()
+    slot.status(f"Loading the tokenizer of {model.strip() or '(no model)'} to count "
+                f"{len(summary['prompts']):,} prompts' tokens...", state="running")
+    return model, max_len, slot
+
+
+def _token_lengths(slot, path: Path, stamp: tuple[int, int], summary: dict[str, Any], model: str,
+                   max_len: int) -> None:
     try:
         checked = _checked_model(model)
-        with st.spinner(f"Tokenizing {len(summary['prompts']):,} prompts with {checked}'s tokenizer..."):
-            hist = _lengths(str(path), stamp, checked, max_len)
+        hist = _lengths(str(path), stamp, checked, max_len)
     except Exception as e:  # any tokenizer failure: skip the histogram, keep the page
-        st.warning(f"Token lengths skipped: the tokenizer of '{model}' could not be loaded or used "
-                   f"({type(e).__name__}: {e})")
+        slot.warning(f"Token lengths skipped: the tokenizer of '{model}' could not be loaded or used "
+                     f"({type(e).__name__}: {e})")
         return
     st.session_state["_data_tokenizer_ok"] = checked
+    # Every row measured, none rejected or over: the engine's own length check would tokenize them all again.
+    st.session_state["_data_lengths_fit"] = (hist["n"] == summary["rows"] and not hist["n_invalid"]
+                                             and not hist["n_over"])
     fig = go.Figure(go.Histogram(x=hist["lengths"], nbinsx=50, name="prompts"))
     fig.add_vline(x=max_len, line_dash="dash", line_color="red",
                   annotation_text=f"max_prompt_length={max_len}", annotation_position="top right")
     fig.update_layout(xaxis_title="prompt tokens (chat template applied)", yaxis_title="prompts",
                       height=320, margin=dict(t=30, b=40, l=40, r=20), showlegend=False)
-    st.plotly_chart(fig, key="data_length_histogram")
     sampled = "all rows" if hist["n"] + hist["n_invalid"] >= summary["rows"] else \
         f"a fixed sample of {hist['n'] + hist['n_invalid']:,} rows"
     note = f"; {hist['n_invalid']} prompts the engine would reject are left out" if hist["n_invalid"] else ""
-    st.caption(f"{sampled}: max {hist['max']}, mean {hist['mean']:.1f} tokens; {hist['n_over']} over "
-               f"data.max_prompt_length={max_len}{note}.")
+    with slot.container():
+        st.plotly_chart(fig, key="data_length_histogram")
+        st.caption(f"{sampled}, {checked}'s tokenizer: max {hist['max']}, mean {hist['mean']:.1f} tokens; "
+                   f"{hist['n_over']} over data.max_prompt_length={max_len}{note}.")
 
 
 def _sources_and_truths(summary: dict[str, Any]) -> None:
@@ -282,7 +326,7 @@ def _sql_box(path: Path) -> None:
     sql = st.text_area("Query", key="sql_input", height=100)
     if st.button("Run query", key="sql_run"):
         try:
-            with preview.open_parquet(path) as pv:
+            with st.spinner("Running the query...", show_time=True), preview.open_parquet(path) as pv:
                 columns, rows = pv.query(sql or "")
             st.session_state["_data_sql"] = (str(path), sql, columns, rows, None)
         except preview.PreviewError as e:
@@ -373,31 +417,39 @@ def _reward_playground(summary: dict[str, Any], path: Path) -> None:
             st.dataframe(preview.display_columns(list(fails[0]), [list(f.values()) for f in fails]), hide_index=True)
 
 
-def _engine_problems(path: Path, stamp: tuple[int, int], summary: dict[str, Any]) -> None:
+def _engine_problems_slot(summary: dict[str, Any]) -> Any:
+    """The section's header and an empty slot for its verdict (filled last: it waits for the tokenizer), or None
+    when the file is too big to check without the user's go-ahead and it was not given."""
     st.subheader("Problems the engine would reject")
-    model = st.session_state.get("_data_tokenizer_ok")
-    max_len = int(st.session_state.get("data_max_prompt_length", 256))
     if summary["rows"] > AUTO_CHECK_ROWS and not st.button(
             f"Check all {summary['rows']:,} rows (loads the file as the trainer does; may take a while)",
             key="problems_check_button"):
-        return
-    with st.spinner("Reading every row as the trainer does..."):
-        problems = _problems(str(path), stamp, model, max_len)
-    if not problems:
-        length = f" and every prompt fits data.max_prompt_length={max_len}" if model else ""
-        st.success(f"The engine would load this file: every row has the expected shape, every data_source a "
-                   f"reward{length}.")
-    for problem in problems:
-        st.error(problem)
-    st.caption("A custom_reward_function in the config scores data sources without a built-in reward.")
+        return None
+    slot = st.empty()
+    slot.status("Reading every row as the trainer does (after the prompt lengths)...", state="running")
+    return slot
+
+
+def _engine_problems(slot, path: Path, stamp: tuple[int, int], max_len: int) -> None:
+    model = st.session_state.get("_data_tokenizer_ok")
+    fit = st.session_state.get("_data_lengths_fit")
+    problems = _problems(str(path), stamp, None if fit else model, max_len)
+    with slot.container():
+        if not problems:
+            length = f" and every prompt fits data.max_prompt_length={max_len}" if model else ""
+            st.success(f"The engine would load this file: every row has the expected shape, every data_source a "
+                       f"reward{length}.")
+        for problem in problems:
+            st.error(problem)
+        st.caption("A custom_reward_function in the config scores data sources without a built-in reward.")
 
 
 def main() -> None:
     if is_entry_point(__file__):
         st.set_page_config(page_title="Data · GRPO Workbench", layout="wide")
     # Defaults through session state, not value=: a test or another page may preset these keys.
-    for key, value in (("data_max_prompt_length", 256), ("data_model_name", SMOLLM2), ("sql_input", DEFAULT_SQL)):
-        st.session_state.setdefault(key, value)
+    st.session_state.setdefault("sql_input", DEFAULT_SQL)
+    _follow_config()
     st.title("Data")
     path = _pick_file()
     if path is None:
@@ -415,11 +467,17 @@ def main() -> None:
     st.caption(f"Showing `{path}`")
     guarded(_overview, summary)
     guarded(_first_rows, summary)
-    guarded(_token_lengths, path, stamp, summary)
+    lengths = _token_length_fields(summary)
     guarded(_sources_and_truths, summary)
     guarded(_sql_box, path)
     guarded(_reward_playground, summary, path)
-    guarded(_engine_problems, path, stamp, summary)
+    problems_slot = _engine_problems_slot(summary)
+    # What needs the model's tokenizer comes last, into the slots left for it: the rest of the page is drawn.
+    max_len = int(st.session_state["data_max_prompt_length"])
+    if lengths is not None:
+        guarded(_token_lengths, lengths[2], path, stamp, summary, lengths[0], lengths[1], slot=lengths[2])
+    if problems_slot is not None:
+        guarded(_engine_problems, problems_slot, path, stamp, max_len, slot=problems_slot)
 
 
 # Streamlit runs the page as `__main__` (streamlit run, st.navigation, AppTest); importing it under another

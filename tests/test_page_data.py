@@ -6,6 +6,7 @@ test tokenizer preset so that no test converts SmolLM2.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -57,8 +58,31 @@ def test_page_renders_the_sample_file_without_exceptions(workspace):
     assert at.selectbox(key="data_file_select").value == "sample_data/arithmetic_train.parquet"
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Rows"] == "2,000" and metrics["With ground truth"] == "2,000"
-    assert any("0 over data.max_prompt_length=256" in c for c in _texts(at.caption))
+    # the landing preset's length, as no config was edited
+    assert any("0 over data.max_prompt_length=128" in c for c in _texts(at.caption))
     assert any("The engine would load this file" in s for s in _texts(at.success))
+
+
+def test_the_model_and_prompt_length_follow_the_config_being_edited(workspace):
+    from backend.services import presets
+
+    quick_try = presets.preset_yaml_text(presets.DEFAULT_PRESET)
+    at = AppTest.from_file(str(PAGE), default_timeout=120)
+    at.session_state[presets.SESSION_KEY] = quick_try.replace("max_prompt_length: 128", "max_prompt_length: 40")
+    at.run()
+    assert not at.exception
+    assert at.text_input(key="data_model_name").value == "tiny-qwen3"
+    assert at.number_input(key="data_max_prompt_length").value == 40
+    # sample prompts are up to 72 tiny-qwen3 tokens long: most are over 40, and the engine check says so
+    assert any(re.search(r"[1-9][\d,]* over data.max_prompt_length=40", c) for c in _texts(at.caption))
+    assert any("data.max_prompt_length=40" in e for e in _texts(at.error))
+
+    at.number_input(key="data_max_prompt_length").set_value(100).run()  # an edit here holds ...
+    assert any("0 over data.max_prompt_length=100" in c for c in _texts(at.caption))
+    at.session_state[presets.SESSION_KEY] = quick_try.replace("tiny-qwen3", "tiny-llama")
+    at.run()  # ... until the config names another model or length
+    assert at.text_input(key="data_model_name").value == "tiny-llama"
+    assert at.number_input(key="data_max_prompt_length").value == 128
 
 
 def test_a_sql_query_shows_its_result(workspace):
