@@ -9,6 +9,9 @@ from pathlib import Path
 
 import streamlit as st
 
+# The run the user opened last, on the Runs or the Rollouts page (a run name): what Compare starts from.
+OPENED_RUN = "_opened_run"
+
 
 def is_entry_point(page_file: str) -> bool:
     """True when `page_file` is the app's entry point (AppTest.from_file on the page), False when it
@@ -29,6 +32,14 @@ def guarded(section, *args, slot=None) -> None:
         section(*args)
     except Exception as e:  # a section's own bug must not take down the rest of the page
         (slot or st).error(f"{section.__name__.strip('_').replace('_', ' ')} failed: {type(e).__name__}: {e}")
+
+
+def remember_opened_run(selection_key: str) -> None:
+    """Keep the run selected by the widget `selection_key` of the page that just ran as the run opened last. The
+    widget's own value goes when the user leaves that page (Streamlit drops the state of widgets not drawn)."""
+    selected = st.session_state.get(selection_key)
+    if selected:
+        st.session_state[OPENED_RUN] = selected
 
 
 # What pages import on first use, seconds of it on two cores: pandas (st.dataframe, 0.75 s), plotly's figures,

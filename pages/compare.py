@@ -15,15 +15,16 @@ import time
 from pathlib import Path
 
 import streamlit as st
-from page_support import guarded, is_entry_point
+from page_support import OPENED_RUN, guarded, is_entry_point
 
 from backend.core import workspace
-from backend.core.models import SHIPPED, SMOLLM2, is_model_folder
+from backend.core.config import Config, draft_config
+from backend.core.models import SHIPPED, is_model_folder
 from backend.rollout.base import SamplingParams
-from backend.services import compare
+from backend.services import compare, presets
 from backend.services.export import export_checkpoint
 from backend.services.launcher import list_runs
-from backend.services.model_picker import exports_dir, model_choices
+from backend.services.model_picker import compare_defaults, exports_dir, model_choices
 
 MAX_PROMPTS = 20
 MAX_DISAGREEMENTS_SHOWN = 50
@@ -37,8 +38,14 @@ def _error(what: str, e: Exception) -> None:
 # ---- picking models and files ----
 
 
-def _choices() -> dict[str, str]:
-    return dict(model_choices(workspace.runs_root(), exports_dir()))
+def _choices() -> list[tuple[str, str]]:
+    return model_choices(workspace.runs_root(), exports_dir())
+
+
+def _editing_model() -> str:
+    """The model of the config being edited on the Config page (else the landing preset's)."""
+    text = st.session_state.get(presets.SESSION_KEY) or presets.preset_yaml_text(presets.DEFAULT_PRESET)
+    return (draft_config(text) or Config()).actor_rollout_ref.model.path
 
 
 def _resolve_model(side: str, choices: dict[str, str]) -> str:
@@ -57,15 +64,18 @@ def _resolve_model(side: str, choices: dict[str, str]) -> str:
 
 
 def _pickers() -> tuple[str | None, str | None]:
-    choices = _choices()
+    pairs = _choices()
+    choices = dict(pairs)
     labels = list(choices)
-    trained = [label for label in labels if label.startswith("run ")]
-    defaults = {"a": f"{SMOLLM2} (shipped)", "b": trained[0] if trained else f"{SMOLLM2} (shipped)"}
+    opened = st.session_state.get(OPENED_RUN)
+    defaults = dict(zip("ab", compare_defaults(pairs, workspace.runs_root(), opened, _editing_model()), strict=True))
+    if opened:
+        st.caption(f"Starting from the run you opened last, {opened}: A is its base model, B what it trained.")
     models: list[str | None] = []
     for col, side in zip(st.columns(2), "ab", strict=True):
         key = f"compare_model_{side}"
-        if st.session_state.get(key) not in choices:  # first visit, or the run it named is gone
-            st.session_state[key] = defaults[side] if defaults[side] in choices else labels[0]
+        if st.session_state.get(key) not in choices:  # a new visit (the page's pickers start over), or a run is gone
+            st.session_state[key] = defaults[side]
         with col:
             st.subheader(f"Model {side.upper()}")
             st.selectbox("Model", labels, key=key,
@@ -134,8 +144,24 @@ def _answer_boxes(prompt: str):
     return left.empty(), right.empty()
 
 
-def _show(slot, text: str) -> None:
-    slot.code(text or " ", language=None, wrap_lines=True)
+def _answer(text: str) -> None:
+    """An answer in a box; one that shows nothing gets a line saying what it is made of and why."""
+    st.code(text or " ", language=None, wrap_lines=True)
+    blank = compare.blank_answer(text)
+    if blank == "empty":
+        st.caption("The answer is empty: the model stopped at once, or wrote only special tokens, which are not shown.")
+    elif blank:
+        st.caption(f"The answer is {blank}, nothing else. Small random models such as the shipped tiny ones often "
+                   "answer with whitespace only; a trained real model answers in words.")
+
+
+def _show(slot, text: str, done: bool = True) -> None:
+    """The answer so far in `slot`; what a blank one is made of only once it is complete."""
+    if done:
+        with slot.container():
+            _answer(text)
+    else:
+        slot.code(text or " ", language=None, wrap_lines=True)
 
 
 def _prompts_section(model_a: str | None, model_b: str | None, temperature: float, max_tokens: int,
@@ -164,8 +190,8 @@ def _prompts_section(model_a: str | None, model_b: str | None, temperature: floa
             text_a = text_b = ""
             try:
                 for text_a, text_b in compare.stream_answers(model_a, model_b, prompt, params, seed=seed):
-                    _show(slot_a, text_a)
-                    _show(slot_b, text_b)
+                    _show(slot_a, text_a, done=False)
+                    _show(slot_b, text_b, done=False)
             except Exception as e:  # noqa: BLE001
                 _error("Generation failed", e)
                 return
@@ -223,10 +249,12 @@ def _draw_batch(result: compare.CompareResult) -> None:
         with st.expander(f"Question {d['index']} · {who} · ground truth {d['ground_truth']}"):
             st.text(d["question"])
             left, right = st.columns(2)
-            left.markdown(f"**A** ({'right' if d['correct_a'] else 'wrong'}, answer {d['pred_a']})")
-            left.code(d["answer_a"] or " ", language=None, wrap_lines=True)
-            right.markdown(f"**B** ({'right' if d['correct_b'] else 'wrong'}, answer {d['pred_b']})")
-            right.code(d["answer_b"] or " ", language=None, wrap_lines=True)
+            with left:
+                st.markdown(f"**A** ({'right' if d['correct_a'] else 'wrong'}, answer {d['pred_a']})")
+                _answer(d["answer_a"])
+            with right:
+                st.markdown(f"**B** ({'right' if d['correct_b'] else 'wrong'}, answer {d['pred_b']})")
+                _answer(d["answer_b"])
     if len(result.disagreements) > MAX_DISAGREEMENTS_SHOWN:
         st.caption(f"The first {MAX_DISAGREEMENTS_SHOWN} of {len(result.disagreements)} are shown.")
 
@@ -274,7 +302,8 @@ def _run_section() -> None:
         return
     by_name = {r.name: r for r in runs}
     if st.session_state.get("evalx_run") not in by_name:
-        st.session_state["evalx_run"] = runs[0].name
+        opened = st.session_state.get(OPENED_RUN)
+        st.session_state["evalx_run"] = opened if opened in by_name else runs[0].name
     left, right = st.columns(2)
     run = by_name[left.selectbox("Run", list(by_name), key="evalx_run")]
     checkpoints = list(reversed(run.checkpoints)) + (["export"] if (run.path / "export" / "config.json").is_file()

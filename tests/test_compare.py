@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -258,3 +259,31 @@ def test_list_evaluations_skips_unreadable_files_and_is_newest_first(tmp_path):
 def test_an_unknown_checkpoint_names_the_ones_the_run_has(tiny_run, sample_sets):
     with pytest.raises(FileNotFoundError, match="step_1, step_2, export"):
         compare.evaluate_checkpoint(tiny_run, "step_9", sample_sets["val"])
+
+
+# ---- what the page shows ----
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("", "empty"), ("\n" * 12, "12 newlines"), (" ", "1 space"), ("\n\n  \t", "2 newlines, 2 spaces and 1 tab"),
+    ("\u00a0\u00a0", "2 other blank characters"), ("\n 7 \n", None)])
+def test_blank_answer_names_what_an_answer_that_shows_nothing_is_made_of(text, words):
+    assert compare.blank_answer(text) == words
+
+
+def test_compare_starts_from_the_opened_runs_base_model_and_export_not_the_newest_export(tiny_run, tmp_path):
+    from backend.services.model_picker import compare_defaults, model_choices
+
+    root = tmp_path / "runs"
+    for name, hours in (("opened", 0), ("newer", 1)):  # "newer": the newest export, of another run (a fork, say)
+        copy = root / name
+        shutil.copytree(tiny_run / "export", copy / "export")
+        for item in ("config.yaml", "status.json"):
+            shutil.copy(tiny_run / item, copy / item)
+        status = json.loads((copy / "status.json").read_text())
+        status["started"] += hours * 3600
+        (copy / "status.json").write_text(json.dumps(status))
+    choices = model_choices(root)
+    assert compare_defaults(choices, root, "opened", "tiny-llama") == ("tiny-qwen3 (shipped)", "run opened · export")
+    # no run opened, or the one opened is gone: the model being configured, and the newest run's export
+    assert compare_defaults(choices, root, None, "tiny-llama") == ("tiny-llama (shipped)", "run newer · export")
+    assert compare_defaults(choices, root, "deleted", "tiny-llama") == ("tiny-llama (shipped)", "run newer · export")

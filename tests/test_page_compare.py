@@ -3,10 +3,13 @@ is a message, never an exception."""
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
+from page_support import OPENED_RUN
 from streamlit.testing.v1 import AppTest
 
 from backend.core.config import load_config
@@ -76,6 +79,32 @@ def test_prompts_are_answered_by_both_models_side_by_side(home):
     assert sum("What is 4 + 4?" in m.value for m in at.markdown) == 1
     at.run()  # a rerun shows the same answers without generating again
     assert len(at.code) == 4
+
+
+def test_an_answer_of_newlines_only_says_so_and_why(home):
+    # tiny random models answer these prompts greedily with newlines and nothing else
+    at = page(compare_prompts="What is 2 + 3?", compare_model_b="tiny-llama (shipped)").run()
+    at.button(key="compare_go").click().run()
+    assert not at.exception and not at.error
+    blank = [c.value for c in at.caption if c.value.startswith("The answer is")]
+    assert len(blank) == 2 and all(re.match(r"The answer is \d+ newlines, nothing else", b) for b in blank)
+    assert "Small random models" in blank[0]
+
+
+def test_b_starts_at_the_export_of_the_run_opened_last_not_the_newest_export(home):
+    newer = home / "runs" / "20260102-000000-newer"
+    shutil.copytree(home / "runs" / RUN, newer)
+    status = json.loads((newer / "status.json").read_text())
+    status["started"] += 3600
+    (newer / "status.json").write_text(json.dumps(status))
+    at = AppTest.from_file(PAGE, default_timeout=180)
+    at.session_state[OPENED_RUN] = RUN  # what the Runs and Rollouts pages record
+    at.run()
+    assert not at.exception
+    assert at.selectbox(key="compare_model_a").value == "tiny-qwen3 (shipped)"  # the run's base model
+    assert at.selectbox(key="compare_model_b").value == f"run {RUN} · export"
+    assert at.selectbox(key="evalx_run").value == RUN
+    assert not page().run().selectbox(key="compare_model_b").value.startswith(f"run {RUN}")  # else the newest
 
 
 def test_batch_compare_with_limit_4_shows_accuracy_difference_and_interval(home):
