@@ -102,10 +102,9 @@ def _train(cfg, run_dir: str | None, *, quiet: bool) -> tuple[int, Path]:
 
 def _end_stopped_process() -> NoReturn:
     """End this process now (exit code 3): a stop signal asked it to, and the run has recorded that it
-    stopped (status, metrics, trackers closed). The private Ray it started is killed, not shut down: the
-    signal reaches Ray's processes too (the launcher signals the run's whole process group), and releasing
-    the workers then waited on a raylet already going and never returned, so every stopped run outlived the
-    launcher's grace and was killed at its end."""
+    stopped (status, metrics, trackers closed). The private Ray it started is killed, not shut down: a
+    stop must end within the launcher's grace of seconds, and Ray's orderly shutdown takes that long alone
+    (longer when the workers are in the middle of a call)."""
     _exit_killing_children(3)
 
 

@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from backend.core import checkpoint
 from backend.core.config import load_config
 from backend.core.runs import list_checkpoints, read_metrics, read_status
 from backend.engine.trainer import NonFiniteError, Trainer
-from backend.services.launcher import _alive, launch, list_runs, resume
+from backend.services.launcher import _alive, launch, list_runs, resume, stop
 
 from .conftest import tiny_overrides, wait_for
 
@@ -229,3 +230,41 @@ def test_a_stop_signal_landing_inside_rays_wait_still_counts_as_a_stop_not_a_fai
     other = SystemError("a real failure")
     other.__cause__ = ValueError("bad")
     assert not _stopped(other) and not _stopped(SystemError("no cause"))
+
+
+# Each phase of a run and the stage text the trainer writes as it enters it. The config below stretches step
+# 1's phases to seconds each (512-token answers generated two at a time, ten update passes), so a stop lands
+# inside the phase seen.
+PHASES = {
+    "queued": "queued",
+    "starting Ray": "starting Ray",
+    "loading the model": "starting 1 worker(s) and loading models",
+    "generating": "generating token",
+    "updating": "updating micro-batch",
+    "checkpointing": "saving checkpoint step_1",
+}
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_stop_ends_a_run_as_stopped_within_3_s_in_every_phase(tmp_path, sample_sets, phase):
+    cfg = load_config(None, tiny_overrides(sample_sets, **{
+        "data.max_response_length": 512, "actor_rollout_ref.rollout.ignore_eos": "true",
+        "actor_rollout_ref.rollout.n": 8, "actor_rollout_ref.rollout.generation_batch_size": 2,
+        "actor_rollout_ref.actor.ppo_epochs": 10, "trainer.save_freq": 1,
+        "trainer.total_training_steps": 2, "data.val_files": "[]"}))
+    run_dir = launch(cfg, name="stopped", runs_root=tmp_path)
+    wait_for(lambda: ((read_status(run_dir) or {}).get("stage") or "").startswith(PHASES[phase]))
+    asked = time.monotonic()
+    assert stop(run_dir, wait=False) == "stopping"
+    wait_for(lambda: read_status(run_dir)["state"] not in ("queued", "running"), timeout=30)
+    took = time.monotonic() - asked
+    print(f"\nstop while {phase}: stopped after {took:.2f} s")
+    status = read_status(run_dir)
+    assert status["state"] == "stopped" and took < 3.0
+    assert not status.get("error") and not status.get("traceback")
+    checkpoints = [p.name for p in list_checkpoints(run_dir)]
+    if phase == "checkpointing":
+        assert checkpoints == []  # the stop cut the write short, and the torn folder is not a checkpoint
+    for name in checkpoints:
+        assert checkpoint.load_merged_model(run_dir / "checkpoints" / name)
+    wait_for(lambda: not _alive(status["pid"]), timeout=10)

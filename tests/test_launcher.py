@@ -9,7 +9,9 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,13 +30,16 @@ from backend.services.launcher import (
     RunSummary,
     delete,
     fork,
+    fork_name,
     launch,
     list_runs,
     log_tail,
     read_run,
     resume,
+    resume_steps,
     stage_info,
     stop,
+    stop_loss,
 )
 from backend.services.run_views import config_diff, smooth
 
@@ -234,6 +239,37 @@ def test_stop_ends_the_whole_process_group_and_leaves_state_stopped(tmp_path, ru
     assert stop(run_dir) == "stopped"  # stopping a finished run changes nothing
 
 
+def test_a_trainer_that_ignores_the_stop_signal_is_killed_after_the_grace_and_recorded_stopped(tmp_path):
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                 "signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"],
+                                stdout=subprocess.PIPE, start_new_session=True)
+    assert stubborn.stdout.readline() == b"ready\n"
+    run_dir = tmp_path / "stubborn"
+    run_dir.mkdir()
+    (run_dir / "status.json").write_text(json.dumps({"state": "running", "pid": stubborn.pid, "pgid": stubborn.pid,
+                                                     "host": socket.gethostname(), "heartbeat": time.time()}))
+    asked = time.monotonic()
+    assert stop(run_dir, grace_s=1.0) == "stopped"
+    assert time.monotonic() - asked < 3.0
+    assert stubborn.wait(timeout=5) == -signal.SIGKILL
+    status = read_status(run_dir)
+    assert status["note"] == "stopped: did not stop within 1 s of SIGTERM and was killed" and not status.get("error")
+
+
+def test_a_run_whose_process_ends_after_a_stop_request_reads_as_stopped_not_failed(tmp_path):
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    root = tmp_path / "runs"
+    for name, asked_of in (("asked", ended.pid), ("asked-before-a-resume", ended.pid + 1)):
+        (root / name).mkdir(parents=True)
+        (root / name / "status.json").write_text(json.dumps({
+            "state": "running", "pid": ended.pid, "host": socket.gethostname(), "heartbeat": time.time(),
+            "stop_requested": {"pid": asked_of, "at": time.time()}}))
+    states = {r.name: (r.state, r.error) for r in list_runs(root)}
+    assert states == {"asked": ("stopped", None), "asked-before-a-resume": ("failed", GONE_ERROR)}
+    assert read_status(root / "asked")["state"] == "stopped"  # recorded, as a failure would be
+
+
 def test_a_launched_run_and_its_session_yield_the_cpu_to_the_workbench(runs_root, sample_sets):
     """Once stepping, a launched run's processes (trainer, Ray, workers) and its session's scheduling group
     run at RUN_NICE, so the UI stays responsive while runs train; the workbench itself is not niced."""
@@ -328,6 +364,27 @@ def test_fork_starts_a_new_run_from_the_chosen_checkpoint(finished_run, sample_s
     config = yaml.safe_load((child / "config.yaml").read_text())["trainer"]
     assert (config["resume_mode"], config["resume_from_path"]) == ("resume_path", str(parent / "checkpoints/step_2"))
     assert read_status(parent)["state"] == "succeeded"
+
+
+def test_a_fork_is_named_after_its_parent_and_step_and_never_takes_a_taken_name(tmp_path):
+    parent = tmp_path / "20260101-120000-gsm8k"
+    (parent / "checkpoints" / "step_20").mkdir(parents=True)
+    assert fork_name(parent, "step_20") == "20260101-120000-gsm8k-fork-20"
+    (tmp_path / "20260101-120000-gsm8k-fork-20" / "checkpoints" / "step_30").mkdir(parents=True)
+    assert fork_name(parent, "step_20") == "20260101-120000-gsm8k-fork-20-2"
+    # a fork of a fork is named after the first parent, not a chain of them
+    assert fork_name(tmp_path / "20260101-120000-gsm8k-fork-20", "step_30") == "20260101-120000-gsm8k-fork-30"
+
+
+def test_resume_or_fork_to_a_step_already_reached_is_refused_and_starts_nothing(finished_run, sample_sets):
+    run_dir = finished_run.path  # trained to step 2 of 2, one checkpoint at the end (save_freq 0)
+    status, config = read_status(run_dir), (run_dir / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"trained to step 2 .*would train nothing.*total_training_steps=4"):
+        resume(run_dir)
+    with pytest.raises(ConfigError, match=r"step_2 is at step 2: a fork of it .*would train nothing"):
+        fork(run_dir, "step_2", tiny_config(sample_sets))
+    assert (read_status(run_dir), (run_dir / "config.yaml").read_text()) == (status, config)
+    assert not (run_dir.parent / f"{run_dir.name}-fork-2").exists()
 
 
 def test_resume_continues_a_finished_run_in_its_own_folder_to_more_steps(finished_run):
@@ -429,3 +486,21 @@ def test_stage_info_reports_the_stage_its_age_and_a_stall_after_the_threshold():
     done = {**status, "state": "succeeded", "stage": "done"}
     assert stage_info(done, now=5000.0, stall_after_s=60)[2] is False
     assert stage_info({}, now=1.0, stall_after_s=60) == ("unknown", 0.0, False)
+
+
+def test_the_stop_button_says_what_a_stop_loses_and_resume_offers_a_step_beyond_the_last():
+    info = {"status": {"total_steps": 20}, "config": {"trainer": {"total_training_steps": 20, "save_freq": 5}},
+            "metrics": [{"step": s} for s in range(1, 8)], "checkpoints": ["step_5"]}
+    # steps 6 and 7 finished after checkpoint step_5, step 8 is in progress; the next save is at step 10
+    assert stop_loss(info) == ("Stop keeps checkpoint step_5: the 2 step(s) finished since then and the one in "
+                               "progress are lost (a resume trains them again). Checkpoints every 5 steps "
+                               "(trainer.save_freq), the next at step 10.")
+    assert resume_steps(info) == (5, 20)
+    finished = {**info, "metrics": [{"step": s} for s in range(1, 21)], "checkpoints": ["step_15", "step_20"]}
+    assert resume_steps(finished) == (20, 25)  # beyond the last step, by one checkpoint interval
+    starting = {**info, "metrics": [], "checkpoints": []}
+    assert stop_loss(starting).startswith("Stop loses only the step in progress: no step has finished yet")
+    no_saves = {**info, "config": {"trainer": {"total_training_steps": 20, "save_freq": 0}}, "checkpoints": []}
+    assert stop_loss(no_saves) == ("Stop loses all 7 finished step(s) and the one in progress: there is no "
+                                   "checkpoint yet, so a resume starts over. A checkpoint only at the end "
+                                   "(trainer.save_freq=0).")

@@ -41,7 +41,7 @@ from backend.engine.inference import Generator
 from backend.engine.rank import MarkedRows, freeze_heap
 from backend.engine.step_log import TableWriter, rollout_rows, token_rows
 from backend.engine.step_metrics import batch_metrics, stats, summary_line, timer
-from backend.engine.worker_group import WorkerError, WorkerGroup
+from backend.engine.worker_group import WorkerError, WorkerGroup, start_ray
 from backend.rewards.registry import load_custom_reward
 from backend.rewards.scoring import ScoredBatch, concat_scored, from_scores, score_batch, weighted_sum
 from backend.rollout.base import RolloutBatch, SamplingParams, concat_rows
@@ -49,8 +49,10 @@ from backend.rollout.base import RolloutBatch, SamplingParams, concat_rows
 T = TypeVar("T")
 
 
-class RunStopped(Exception):
-    """The run was asked to stop (SIGTERM / SIGINT); it ends in state `stopped`."""
+class RunStopped(BaseException):
+    """The run was asked to stop (SIGTERM / SIGINT); it ends in state `stopped`. A BaseException, as
+    KeyboardInterrupt is: a library's `except Exception` (Ray's start-up has several) must not turn a stop
+    into an error or swallow it."""
 
 
 class NonFiniteError(RuntimeError):
@@ -132,6 +134,8 @@ class Trainer:
         ckpt = self._resume_point()
         if ckpt is not None and resume_problems(cfg, ckpt):
             raise ConfigError(resume_problems(cfg, ckpt))
+        self.stage("starting Ray", force=True)
+        start_ray(cfg)
         world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
         self.stage(f"starting {world} worker(s) and loading models", force=True)
         seed_everything(cfg.trainer.seed)
@@ -180,10 +184,6 @@ class Trainer:
         stop = _install_stop_handlers()
         try:
             self.setup()
-            # Starting Ray (in setup) puts Ray's own SIGTERM handler in place, which ends the process without a
-            # final status: a SIGTERM to this process alone must still end as `stopped`. (The launcher's stop
-            # signals the whole group, Ray's processes too, and records `stopped` itself if this one cannot.)
-            _install_stop_handlers()
             self.tracking = trackers.open_trackers(self.cfg.trainer.logger, self.run.root, self.cfg)
             self.run.write_status("running", total_steps=self.total_steps, step=self.start_step)
             metrics = self._loop()
@@ -198,10 +198,10 @@ class Trainer:
                 raise
             lost = self.workers.head.lost if self._ready else None
             if lost is None:
-                self.run.write_status("stopped", stage="stopped", finished=time.time())
+                self.run.write_status("stopped", stage="stopped", finished=time.time(), error=None, traceback=None)
                 if isinstance(e, RunStopped | KeyboardInterrupt):
                     raise
-                raise RunStopped(str(e.__cause__)) from e
+                raise RunStopped(f"stopped ({type(e).__name__} on the way: {e})") from e
             self._record_failure(WorkerError(lost))
             raise WorkerError(lost) from e
         finally:
@@ -652,9 +652,23 @@ def _place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> t
     return out
 
 
-def _install_stop_handlers():
-    """SIGTERM (the UI's stop button) ends the run cleanly as `stopped`; returns an undo function."""
+# The stop signal this process received, if any: from then on whatever ends the run, ends it as `stopped`.
+_stop_signal: int | None = None
+
+
+def _install_stop_handlers() -> Callable[[], None]:
+    """SIGTERM (the UI's stop button) ends the run cleanly as `stopped`; returns an undo function.
+
+    The first signal raises RunStopped wherever the main thread is; later ones are ignored, so a second
+    stop cannot cut short the writing of the first one's final status."""
+    global _stop_signal
+    _stop_signal = None
+
     def handler(signum, frame):
+        global _stop_signal
+        if _stop_signal is not None:
+            return
+        _stop_signal = signum
         raise RunStopped(f"received signal {signum}")
     try:
         previous = signal.signal(signal.SIGTERM, handler)
@@ -664,8 +678,12 @@ def _install_stop_handlers():
 
 
 def _stopped(e: BaseException) -> bool:
-    """A stop signal or Ctrl-C, also when it arrived inside a C extension's call (Ray's wait), which
-    reports it as a SystemError caused by the handler's RunStopped."""
+    """Whether the run ends because it was asked to stop. Once a stop signal has arrived, any exception
+    counts: the RunStopped its handler raised may come back as something else (Ray's C extension reports
+    it as a SystemError caused by it; a call into Ray cut short may fail on its own). Without one, a
+    stop is RunStopped or Ctrl-C, also found as the cause of another exception."""
+    if _stop_signal is not None:
+        return True
     while e is not None:
         if isinstance(e, RunStopped | KeyboardInterrupt):
             return True
@@ -704,7 +722,7 @@ def yield_cpu(nice: int) -> None:
 def _record_head_lost(run: RunDir, message: str) -> None:
     """Called from the head-watch thread: the status says failed, with why, even if Ray ends the process
     (it does 60 s after losing its head) before the main thread gets to `Trainer._record_failure`. A run
-    already ended (a stop signals Ray's processes too, so the head goes then as well) keeps its state."""
+    already ended (stopped: its Ray is ended with it) keeps its state."""
     if (read_status(run.root) or {}).get("state", "running") != "running":
         return
     try:

@@ -18,7 +18,7 @@ import os
 import socket
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import ray
@@ -88,10 +88,31 @@ RAY_START_ATTEMPTS = 3
 _private_ray = False  # whether start_ray started a private Ray in this process
 
 
+@contextlib.contextmanager
+def _own_stop_signal() -> Iterator[None]:
+    """Keep this process's SIGTERM handler while Ray starts. ray.init installs two of its own, one that
+    raises SystemExit(15) and the head node's, which stops Ray's processes gracefully and raises
+    SystemExit(1); a stop during start-up then ended the run `failed`, seconds later. The trainer decides
+    how its process ends (the run's final status, then its Ray killed with it), so Ray's are not installed.
+    A process without a handler of its own ends at SIGTERM as any program does; Ray's processes share its fate."""
+    utils = ray._private.utils
+    install = utils.set_sigterm_handler
+    utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = install
+
+
 def start_ray(cfg: Config) -> None:
     """Join `trainer.ray_address`, or start a private Ray in this process (once per process)."""
     if ray.is_initialized():
         return
+    with _own_stop_signal():
+        _start_ray(cfg)
+
+
+def _start_ray(cfg: Config) -> None:
     env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
     if cfg.trainer.ray_address:
         import backend

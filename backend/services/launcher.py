@@ -15,12 +15,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +38,8 @@ from backend.core.runs import (
     STATES,
     RunDir,
     atomic_write_text,
+    checkpoint_step,
+    config_get,
     latest_checkpoint,
     list_checkpoints,
     new_run_dir,
@@ -56,6 +61,11 @@ SCORE_KEY = "critic/score/mean"
 # workers are up (Ray gives a node 30 s to start, which a run niced from its first instant missed under
 # load); see trainer.yield_cpu.
 RUN_NICE = 10
+# How long a stopped trainer gets to end on its own. Once its stop handler is in place it records `stopped`
+# within half a second in every phase; before that (Python still starting) SIGTERM ends it at once. One that
+# lingers is stuck in a call that does not return to Python (one of Ray's start-up calls, now and then), and
+# is killed: every file of the run directory is replaced atomically, so no moment is unsafe for that.
+STOP_GRACE_S = 1.5
 
 # Children this process started. A child that exits stays a zombie until its parent waits for it, and
 # os.kill(zombie, 0) succeeds, so a killed run would look alive for as long as the UI runs; polling the
@@ -75,16 +85,18 @@ def launch(cfg: Config, *, name: str = "", runs_root: str | Path | None = None) 
     return _launch(cfg, name=name, runs_root=runs_root, extra_status={})
 
 
-def _launch(cfg: Config, *, name: str, runs_root: str | Path | None, extra_status: dict[str, Any]) -> Path:
-    if name:
+def _launch(cfg: Config, *, name: str, runs_root: str | Path | None, extra_status: dict[str, Any],
+            folder: str = "") -> Path:
+    """Validate, make the run directory (runs_root/<date>-<name>, or runs_root/<folder> exactly) and start."""
+    if folder or name:
         try:
-            check_name(name, "run name")
+            check_name(folder or name, "run name")
         except PathError as e:
             raise ConfigError([str(e)]) from None
     validate_config(cfg)
     check_or_raise(cfg)
     root = Path(runs_root if runs_root is not None else cfg.trainer.runs_root)
-    run = _make_run_dir(root, name)
+    run = _make_named_run_dir(root, folder) if folder else _make_run_dir(root, name)
     atomic_write_text(run.config, to_yaml(cfg))
     # pid=None: write_status would otherwise record this (the UI's) pid until the child's is known.
     run.write_status("queued", pid=None, pgid=None, created=time.time(), stage="queued",
@@ -103,6 +115,16 @@ def _make_run_dir(root: Path, name: str) -> RunDir:
         except FileExistsError:
             continue
         return RunDir(path).create()
+
+
+def _make_named_run_dir(root: Path, folder: str) -> RunDir:
+    path = Path(os.path.abspath(root / folder))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir()
+    except FileExistsError:
+        raise ConfigError([f"a run named {folder} already exists in {root}: choose another name"]) from None
+    return RunDir(path).create()
 
 
 def _spawn(run: RunDir) -> int:
@@ -143,13 +165,21 @@ def resume(run_dir: str | Path, *, overrides: Sequence[str] = ()) -> Path:
         raise ConfigError([f"run {run.root.name} is still {state} (pid {status.get('pid')}): stop it before "
                            "resuming it"])
     cfg = load_config(run.config, ["trainer.resume_mode=auto", *overrides])
+    last = latest_checkpoint(run.root)
+    reached = (checkpoint_step(last) or 0) if last is not None else 0
+    target = cfg.trainer.total_training_steps
+    if target and reached >= target:
+        more = _train_to(reached, target, cfg.trainer.save_freq)
+        raise ConfigError([f"run {run.root.name} has trained to step {reached} (its last checkpoint): resuming it to "
+                           f"trainer.total_training_steps={target} would train nothing. Ask for a step beyond "
+                           f"{reached}, e.g. trainer.total_training_steps={more}"])
     check_or_raise(cfg)
     atomic_write_text(run.config, to_yaml(cfg))
-    if latest_checkpoint(run.root) is None:
+    if last is None:
         # Nothing to continue from: the run starts over, so the old attempt's lines would repeat steps.
         run.truncate_metrics(-1)
     run.write_status("queued", pid=None, pgid=None, stage="queued", stage_started=time.time(), error=None,
-                     traceback=None, finished=None, note=None)
+                     traceback=None, finished=None, note=None, stop_requested=None)
     _spawn(run)
     return run.root
 
@@ -159,28 +189,79 @@ def fork(run_dir: str | Path, checkpoint: str | Path, cfg: Config, name: str = "
     """Start a NEW run from a checkpoint of another run, with a (possibly edited) config.
 
     `checkpoint` is a checkpoint folder, or a name such as "step_20" inside run_dir/checkpoints.
-    The new run goes next to its parent (or under `runs_root`) and its status.json records
-    "forked_from": {"run": parent's folder name, "checkpoint": checkpoint path}. `cfg` is not modified.
+    The new run goes next to its parent (or under `runs_root`), in a folder named `name`, by default
+    `fork_name`'s; its status.json records "forked_from": {"run": parent's folder name, "checkpoint":
+    checkpoint path}. `cfg` is not modified.
     """
     run_dir = Path(run_dir)
-    ckpt = Path(checkpoint)
-    if len(ckpt.parts) == 1 and (run_dir / "checkpoints" / ckpt).is_dir():
-        ckpt = run_dir / "checkpoints" / ckpt
+    ckpt = _checkpoint_path(run_dir, checkpoint)
+    root = Path(runs_root if runs_root is not None else run_dir.parent)
+    step, target = checkpoint_step(ckpt) or 0, cfg.trainer.total_training_steps
+    if target and step >= target:
+        raise ConfigError([f"{ckpt.name} is at step {step}: a fork of it to trainer.total_training_steps={target} "
+                           f"would train nothing. Ask for a step beyond {step}, e.g. trainer.total_training_steps="
+                           f"{_train_to(step, target, cfg.trainer.save_freq)}"])
     cfg = copy.deepcopy(cfg)
     cfg.trainer.resume_mode = "resume_path"
     cfg.trainer.resume_from_path = str(ckpt)
-    return _launch(cfg, name=name, runs_root=runs_root if runs_root is not None else run_dir.parent,
+    return _launch(cfg, name="", folder=name or fork_name(run_dir, ckpt, root), runs_root=root,
                    extra_status={"forked_from": {"run": run_dir.name, "checkpoint": str(ckpt)}})
+
+
+def fork_config_text(run_dir: str | Path, checkpoint: str | Path) -> str:
+    """The config a fork of `checkpoint` starts from (the run's config.yaml as YAML), trained to a step
+    beyond the checkpoint's: the run's total when it lies beyond, else as `resume_steps` offers."""
+    run_dir = Path(run_dir)
+    try:
+        cfg = load_config(run_dir / "config.yaml", validate=False)
+    except ConfigError:  # the user fixes it in the fork's editor, which says what is wrong
+        return (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").is_file() else ""
+    step = checkpoint_step(_checkpoint_path(run_dir, checkpoint)) or 0
+    target = cfg.trainer.total_training_steps
+    if target and step >= target:
+        cfg.trainer.total_training_steps = _train_to(step, target, cfg.trainer.save_freq)
+    return to_yaml(cfg)
+
+
+def fork_name(run_dir: str | Path, checkpoint: str | Path, runs_root: str | Path | None = None) -> str:
+    """A fork's default folder name: `<parent>-fork-<step>`, with "-2", "-3"... when that is taken in
+    `runs_root` (default: next to the parent). A fork of a fork takes its parent's base name, so names stay
+    short enough for tables and pickers to show whole; status.json's forked_from keeps the lineage."""
+    run_dir = Path(run_dir)
+    ckpt = _checkpoint_path(run_dir, checkpoint)
+    root = Path(runs_root if runs_root is not None else run_dir.parent)
+    step = checkpoint_step(ckpt)
+    suffix = f"-fork-{step if step is not None else ckpt.name}"
+    base = re.sub(r"-fork-\d+(-\d+)?$", "", run_dir.name)[:_NAME_MAX - len(suffix) - 3] + suffix
+    name, k = base, 1
+    while (root / name).exists():
+        k += 1
+        name = f"{base}-{k}"
+    return name
+
+
+_NAME_MAX = 64  # check_name's limit
+
+
+def _checkpoint_path(run_dir: Path, checkpoint: str | Path) -> Path:
+    ckpt = Path(checkpoint)
+    if len(ckpt.parts) == 1 and (run_dir / "checkpoints" / ckpt).is_dir():
+        ckpt = run_dir / "checkpoints" / ckpt
+    return ckpt
 
 
 # ---- stopping and deleting ----
 
-def stop(run_dir: str | Path, grace_s: float = 10.0) -> str:
-    """Stop a run: SIGTERM to its whole process group, SIGKILL after `grace_s` seconds if it lingers.
+def stop(run_dir: str | Path, grace_s: float = STOP_GRACE_S, *, wait: bool = True) -> str:
+    """Stop a run; it ends as `stopped`, never `failed`.
 
-    The trainer answers SIGTERM by writing state "stopped"; if the process ended without a final state
-    (killed, or it never got that far) "stopped" is written here with a note. Returns the final state;
-    a run that already ended is left alone and its state returned.
+    SIGTERM goes to the trainer alone, which records `stopped`, kills its Ray and workers and exits. Once
+    it is gone, or `grace_s` after the signal if it lingers, whatever is left of the run's process group
+    is killed, and `stopped` is recorded here if the trainer could not record it. status.json keeps the
+    request ("stop_requested"), so readers show the run as stopping, and as stopped should its process end
+    without a word. Returns the final state; with wait=False, "stopping" at once, and a thread of this
+    process finishes the stop (a page must not wait for it). A run that already ended is left alone and its
+    state returned.
     """
     run = RunDir(run_dir)
     status = read_status(run.root) or {}
@@ -191,21 +272,40 @@ def stop(run_dir: str | Path, grace_s: float = 10.0) -> str:
     if host and host != socket.gethostname():
         raise ValueError(f"run {run.root.name} runs on host {host}, not here: stop it there")
     pid, pgid = status.get("pid"), status.get("pgid")
-    killed = False
-    if pid or pgid:
-        _signal(pid, pgid, signal.SIGTERM)
-        if not _wait_gone(pid, pgid, grace_s):
-            _signal(pid, pgid, signal.SIGKILL)
-            killed = True
-            _wait_gone(pid, pgid, 10.0)
+    if not _stop_requested(status):
+        run.write_status(state, stop_requested={"pid": pid, "at": time.time()})
+    # The trainer only: it ends its own Ray. Signalled too, Ray's processes went down at the same moment
+    # in their own ways, and the trainer's calls into them failed before it had recorded the stop.
+    _signal(pid, None, signal.SIGTERM)
+    if wait:
+        return _finish_stop(run, pid, pgid, grace_s)
+    threading.Thread(target=_finish_stop, args=(run, pid, pgid, grace_s), name=f"stop {run.root.name}",
+                     daemon=True).start()
+    return "stopping"
+
+
+def _finish_stop(run: RunDir, pid: int | None, pgid: int | None, grace_s: float) -> str:
+    """Wait for a signalled trainer to end, kill what is left of its process group, record `stopped`."""
+    ended = _wait_gone(pid, None, grace_s)
+    if pgid and _group_alive(pgid):
+        _signal(None, pgid, signal.SIGKILL)
+    elif not ended:
+        _signal(pid, None, signal.SIGKILL)
+    _wait_gone(pid, pgid, 10.0)
     status = read_status(run.root) or {}
     # A dashboard read between the process's end and this line may have recorded it as gone; it was stopped.
     if status.get("state", "queued") in ACTIVE or status.get("error") == GONE_ERROR:
-        note = (f"did not stop within {grace_s:g} s of SIGTERM and was killed" if killed
+        note = (f"did not stop within {grace_s:g} s of SIGTERM and was killed" if not ended
                 else "the process ended without writing its final status")
         status = run.write_status("stopped", stage="stopped", finished=time.time(), note=f"stopped: {note}",
                                   error=None)
     return status["state"]
+
+
+def _stop_requested(status: dict) -> bool:
+    """Whether a stop was asked of the process status.json names (a resumed run is another process)."""
+    request = status.get("stop_requested")
+    return isinstance(request, dict) and request.get("pid") == status.get("pid")
 
 
 def _signal(pid: int | None, pgid: int | None, sig: int) -> None:
@@ -308,7 +408,7 @@ def _summarize(folder: Path, now: float, stale_after_s: float) -> tuple[RunSumma
         started=started,
         duration_s=max(0.0, end - started) if started and end else None,
         error=error,
-        stage=state if gone or not status.get("stage") else status["stage"],
+        stage=state if gone or not status.get("stage") else stage_info(status, now, math.inf)[0],
         checkpoints=[p.name for p in list_checkpoints(folder)],
     )
     return summary, float(started or folder.stat().st_mtime)
@@ -353,15 +453,20 @@ def effective_state(status: dict | None, now: float | None = None,
 
 def _record_gone(folder: Path, status: dict) -> None:
     """A run whose process died on this machine without a final state gets one on disk (`failed`, with
-    GONE_ERROR), so status.json tells every later reader and tool what the dashboard shows. Only for a
-    pid checked dead here: a silent run of another host may be alive behind a slow shared disk."""
+    GONE_ERROR; `stopped` when a stop was asked of it), so status.json tells every later reader and tool
+    what the dashboard shows. Only for a pid checked dead here: a silent run of another host may be alive
+    behind a slow shared disk."""
     if status.get("host") != socket.gethostname():
         return
     current = read_status(folder) or {}
     if current.get("pid") != status.get("pid") or current.get("state") not in ACTIVE:
         return  # resumed or finished meanwhile
     with contextlib.suppress(OSError):  # a read-only or full disk: readers still derive it from the dead pid
-        RunDir(folder).write_status("failed", error=GONE_ERROR, stage="failed", finished=time.time())
+        if _stop_requested(current):
+            RunDir(folder).write_status("stopped", stage="stopped", finished=time.time(),
+                                        note="stopped: the process ended without writing its final status")
+        else:
+            RunDir(folder).write_status("failed", error=GONE_ERROR, stage="failed", finished=time.time())
 
 
 def _effective_state(status: dict, now: float, stale_after_s: float) -> tuple[str, str | None, bool]:
@@ -373,7 +478,9 @@ def _effective_state(status: dict, now: float, stale_after_s: float) -> tuple[st
         gone = not _alive(pid)
     else:
         gone = now - float(status.get("heartbeat") or 0.0) > stale_after_s
-    return ("failed", GONE_ERROR, True) if gone else (state, status.get("error"), False)
+    if not gone:
+        return state, status.get("error"), False
+    return ("stopped", None, True) if _stop_requested(status) else ("failed", GONE_ERROR, True)
 
 
 def read_run(run_dir: str | Path, *, now: float | None = None, stale_after_s: float = GONE_AFTER_S) -> dict:
@@ -456,9 +563,53 @@ def stage_info(status: dict, now: float, stall_after_s: float) -> tuple[str, flo
     stage = status.get("stage") or state
     began = status.get("stage_started") or status.get("started") or status.get("created") \
         or status.get("heartbeat") or now
+    if state in ACTIVE and _stop_requested(status):
+        stage, began = "stopping", status["stop_requested"].get("at") or began
     heartbeat = status.get("heartbeat")
     stalled = state == "running" and heartbeat is not None and now - heartbeat > stall_after_s
     return stage, max(0.0, now - began), stalled
+
+
+# ---- what the run page says about stopping and resuming ----
+
+def resume_steps(info: dict) -> tuple[int, int]:
+    """(the step a resume continues from: the last checkpoint's, 0 without one; the "train to step" to
+    offer: the planned total while the run has not reached it, else that step plus trainer.save_freq, so
+    the resumed part ends on a checkpoint). `info` is `read_run`'s."""
+    reached = _step_of(info["checkpoints"][-1]) if info["checkpoints"] else 0
+    planned = config_get(info.get("config") or {}, "trainer.total_training_steps") \
+        or info["status"].get("total_steps") or 0
+    return reached, _train_to(reached, planned, config_get(info.get("config") or {}, "trainer.save_freq") or 0)
+
+
+def _train_to(reached: int, planned: int, save_freq: int) -> int:
+    """The step to train a run to from step `reached`: `planned` while beyond it, else `reached` plus the
+    checkpoint interval (so the new part ends on a checkpoint), or plus `planned` without one."""
+    return planned if planned > reached else reached + (save_freq or planned or 1)
+
+
+def stop_loss(info: dict) -> str:
+    """What stopping the run now loses, in words for beside the Stop button. Stop writes no checkpoint: it
+    must end the run within seconds whatever it is doing, and a step cut short has no consistent state to
+    save, so a resume continues from the last checkpoint. `info` is `read_run`'s."""
+    done = max((int(m.get("step") or 0) for m in info["metrics"]), default=0)
+    reached, _ = resume_steps(info)
+    save_freq = config_get(info.get("config") or {}, "trainer.save_freq") or 0
+    every = (f"Checkpoints every {save_freq} steps (trainer.save_freq), the next at step "
+             f"{(done // save_freq + 1) * save_freq}." if save_freq
+             else "A checkpoint only at the end (trainer.save_freq=0).")
+    if done <= reached:
+        kept = f"checkpoint step_{reached} holds every step before it" if reached else "no step has finished yet"
+        return f"Stop loses only the step in progress: {kept}. {every}"
+    if not reached:
+        return (f"Stop loses all {done} finished step(s) and the one in progress: there is no checkpoint yet, so "
+                f"a resume starts over. {every}")
+    return (f"Stop keeps checkpoint step_{reached}: the {done - reached} step(s) finished since then and the one "
+            f"in progress are lost (a resume trains them again). {every}")
+
+
+def _step_of(checkpoint_name: str) -> int:
+    return int(checkpoint_name.rsplit("_", 1)[1])
 
 
 # ---- processes ----
@@ -486,6 +637,9 @@ def _alive(pid: int | None) -> bool:
 
 
 def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs. Killed members that are zombies do not count: Ray's
+    workers are the trainer's grandchildren, and once it is gone whoever adopts them reaps them when it
+    gets to it (seconds here), long after SIGKILL has ended them."""
     _reap()
     try:
         os.killpg(pgid, 0)
@@ -493,7 +647,16 @@ def _group_alive(pgid: int) -> bool:
         return False
     except PermissionError:  # a member owned by someone else still counts
         return True
-    return True
+    if not Path("/proc/self/stat").exists():  # not Linux: every member counts
+        return True
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[-1].split()
+        except OSError:  # ended while we looked
+            continue
+        if fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
 
 
 def _is_zombie(pid: int) -> bool:
