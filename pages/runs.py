@@ -12,7 +12,21 @@ import streamlit as st
 from backend.core import workspace
 from backend.core.config import ConfigError, config_from_yaml_text
 from backend.services.compare import list_evaluations
-from backend.services.launcher import delete, fork, launch, list_runs, log_tail, read_run, resume, stage_info, stop
+from backend.services.launcher import (
+    delete,
+    fork,
+    fork_config_text,
+    fork_name,
+    launch,
+    list_runs,
+    log_tail,
+    read_run,
+    resume,
+    resume_steps,
+    stage_info,
+    stop,
+    stop_loss,
+)
 from backend.services.presets import DEFAULT_PRESET, SESSION_KEY, preset_yaml_text
 from backend.services.run_views import config_diff, smooth
 
@@ -142,54 +156,16 @@ selected_name = st.selectbox("Open run", names, key="runs_selected")
 selected = next(r for r in runs if r.name == selected_name)
 run_dir = Path(selected.path)
 
-# ---- actions ----
+# ---- the selected run: state, controls, log; charts below ----
 
-c1, c2, c3, c4 = st.columns(4)
-with c1:
-    if st.button("Stop", key="run_stop", disabled=selected.state not in ("queued", "running")):
-        st.info(f"{selected.name}: {stop(run_dir)}")
-run_config = read_run(run_dir).get("config") or {}
-planned = (run_config.get("trainer") or {}).get("total_training_steps") or selected.total_steps or 1
-with c2:
-    total = st.number_input("Train to step", min_value=1, value=int(planned), key=f"resume_total_steps_{selected.name}",
-                            help="Resume continues from the last checkpoint up to this step.")
-    if st.button("Resume", key="run_resume", disabled=selected.state in ("queued", "running")
-                 or not selected.checkpoints):
-        try:
-            resume(run_dir, overrides=[f"trainer.total_training_steps={int(total)}"])
-            st.success(f"Resumed {selected.name}")
-        except (ConfigError, ValueError) as e:
-            st.error(str(e))
-with c3:
-    confirm = st.checkbox("Really delete", key="run_delete_confirm")
-    if st.button("Delete", key="run_delete", disabled=not confirm):
-        try:
-            delete(run_dir, root)
-            st.session_state.pop("runs_selected", None)
-            st.rerun()
-        except ValueError as e:
-            st.error(str(e))
-with c4, st.popover("Fork", disabled=not selected.checkpoints):
-    st.caption("A new run that starts from a checkpoint of this one, with the config below.")
-    ckpt = st.selectbox("Checkpoint", selected.checkpoints or ["(none)"], key="fork_checkpoint")
-    run_yaml = (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").exists() else ""
-    fork_yaml = st.text_area("Config of the fork", run_yaml, height=240, key="fork_yaml")
-    fork_name = st.text_input("Name of the fork", f"{selected.name[-40:]}-fork".lstrip("-"), key="fork_name")
-    if st.button("Start fork", key="fork_button"):
-        fork_cfg, fork_problems = config_from_yaml_text(fork_yaml)
-        if fork_cfg is None:
-            st.error("\n".join(fork_problems))
-        else:
-            try:
-                new = fork(run_dir, run_dir / "checkpoints" / ckpt, fork_cfg, name=fork_name.strip())
-                st.success(f"Forked into {new.name}")
-            except (ConfigError, ValueError) as e:
-                st.error(str(e))
+info = read_run(run_dir)
+# What the charts below are drawn from; the live status reruns the page when the run has written more.
+st.session_state.setdefault("runs_metrics_drawn", {})[str(run_dir)] = len(info["metrics"])
 
-# ---- live view ----
 
-others = st.multiselect("Overlay other runs", [n for n in names if n != selected_name], key="runs_overlay")
-smoothing = st.slider("Smoothing", 0.0, 0.95, 0.0, 0.05, key="runs_smoothing")
+def metrics_drawn() -> int:
+    """How many metrics lines of the selected run the charts were drawn from (session state)."""
+    return st.session_state.get("runs_metrics_drawn", {}).get(str(run_dir), -1)
 
 
 def _reward_problem(metrics: list[dict]) -> str:
@@ -204,35 +180,33 @@ def _reward_problem(metrics: list[dict]) -> str:
     return ""
 
 
-def metrics_drawn() -> int:
-    """How many metrics lines of the selected run the charts below were drawn from (session state)."""
-    return st.session_state.get("runs_metrics_drawn", {}).get(str(run_dir), -1)
-
-
 @st.fragment(run_every=REFRESH_S)
 def live_status() -> None:
-    """The state line, warnings, errors and log, every REFRESH_S. The charts are redrawn (a rerun of the
-    page) only when the run has written a new metrics line: redrawing a dozen unchanged charts every few
+    """The state line, warnings and errors, every REFRESH_S. The charts are redrawn (a rerun of the page)
+    only when the run has written a new metrics line: redrawing a dozen unchanged charts every few
     seconds kept the server and the browser busy (0.3 of a core for one idle tab), which made every page
     slow while runs trained."""
     if not run_dir.exists():
         st.warning(f"{run_dir.name} was deleted.")
         return
-    info = read_run(run_dir)
-    if len(info["metrics"]) != metrics_drawn():
+    current = read_run(run_dir)
+    if len(current["metrics"]) != metrics_drawn():
         st.rerun()
-    status = info.get("status") or {}
+    status = current.get("status") or {}
     state = status.get("state", "unknown")
+    steps = f"step {status.get('step', 0)}/{status.get('total_steps') or '?'}"
     if state in ("queued", "running"):
-        stall_after = ((info.get("config") or {}).get("trainer") or {}).get("stall_warning_s", 300.0)
+        stall_after = ((current.get("config") or {}).get("trainer") or {}).get("stall_warning_s", 300.0)
         stage, elapsed, stalled = stage_info(status, time.time(), stall_after)
-        st.markdown(f"**{state}** · step {status.get('step', 0)}/{status.get('total_steps') or '?'} · "
-                    f"{stage} · {elapsed:.0f} s")
+        if stage == "stopping":
+            st.markdown(f"**stopping…** · {steps} · asked {elapsed:.0f} s ago")
+        else:
+            st.markdown(f"**{state}** · {steps} · {stage} · {elapsed:.0f} s")
         if stalled:
             st.warning(f"No progress reported for more than {stall_after:.0f} s (trainer.stall_warning_s): the run "
                        f"may be stuck in '{stage}'. Check the log below.")
     else:
-        st.markdown(f"**{state}** · step {status.get('step', 0)}/{status.get('total_steps') or '?'}")
+        st.markdown(f"**{state}** · {steps}" + (f" · {status['note']}" if status.get("note") else ""))
     if status.get("workers"):
         st.caption("workers: " + " · ".join(f"rank {w.get('rank')} pid {w.get('pid')} on {w.get('host')} "
                                              f"({w.get('device')})" for w in status["workers"]))
@@ -241,21 +215,96 @@ def live_status() -> None:
                 "'Python Debugger: Remote Attach' to that host and port; the step starts once it attaches.")
     for warning in (status.get("warnings") or [])[-3:]:
         st.warning(warning)
-    reward_problem = _reward_problem(info["metrics"])
+    reward_problem = _reward_problem(current["metrics"])
     if reward_problem:
         st.warning(reward_problem)
     if status.get("error"):
         st.error(status["error"])
         if status.get("traceback"):
-            st.code(status["traceback"], language="text")
-    with st.expander("Log", expanded=state == "failed"):
-        st.code(log_tail(run_dir, 80) or "(empty)", language="text")
+            with st.expander("Traceback"):
+                st.code(status["traceback"], language="text")
 
 
-def charts() -> None:
+live_status()
+
+
+def _request_stop(run: Path) -> None:
+    """Ask the run to stop and return at once (before the page is drawn again, so it shows the run stopping)."""
+    stop(run, wait=False)
+
+
+active = selected.state in ("queued", "running")
+c1, c2, c3, c4 = st.columns(4)
+with c1:
+    st.button("Stop", key="run_stop", disabled=not active or selected.stage == "stopping",
+              on_click=_request_stop, args=(run_dir,))
+    if selected.stage == "stopping":
+        st.info("Stop requested: the run ends within seconds.")
+    if active:
+        st.caption(stop_loss(info))
+reached, suggested = resume_steps(info)
+with c2:
+    total = st.number_input("Train to step", min_value=1, value=suggested,
+                            key=f"resume_total_steps_{selected.name}_{reached}",
+                            help=f"Resume continues from the last checkpoint (step {reached}) up to this step, "
+                                 f"which must be beyond {reached}.")
+    if st.button("Resume", key="run_resume", disabled=active or not selected.checkpoints):
+        try:
+            resume(run_dir, overrides=[f"trainer.total_training_steps={int(total)}"])
+            st.success(f"Resumed {selected.name}")
+        except ConfigError as e:
+            st.error("\n\n".join(e.problems))
+        except ValueError as e:
+            st.error(str(e))
+with c3:
+    confirm = st.checkbox("Really delete", key="run_delete_confirm")
+    if st.button("Delete", key="run_delete", disabled=not confirm):
+        try:
+            delete(run_dir, root)
+            st.session_state.pop("runs_selected", None)
+            st.rerun()
+        except ValueError as e:
+            st.error(str(e))
+with c4, st.popover("Fork", disabled=not selected.checkpoints):
+    st.caption("A new run that starts from a checkpoint of this one, with the config below.")
+    checkpoints = selected.checkpoints or ["(none)"]
+    ckpt = st.selectbox("Checkpoint", checkpoints, index=len(checkpoints) - 1, key=f"fork_checkpoint_{selected.name}")
+    fork_yaml = st.text_area("Config of the fork", fork_config_text(run_dir, ckpt) if selected.checkpoints else "",
+                             height=240, key=f"fork_yaml_{selected.name}_{ckpt}",
+                             help="This run's config, trained to a step beyond the checkpoint's; edit what the fork "
+                                  "should change.")
+    default_name = fork_name(run_dir, ckpt) if selected.checkpoints else ""
+    chosen_name = st.text_input("Name of the fork", default_name, key=f"fork_name_{selected.name}_{default_name}",
+                                help="The new run's folder name.")
+    if st.button("Start fork", key="fork_button"):
+        fork_cfg, fork_problems = config_from_yaml_text(fork_yaml)
+        if fork_cfg is None:
+            st.error("\n".join(fork_problems))
+        else:
+            try:
+                new = fork(run_dir, run_dir / "checkpoints" / ckpt, fork_cfg, name=chosen_name.strip())
+                st.success(f"Forked into {new.name}")
+            except (ConfigError, ValueError) as e:
+                st.error(str(e))
+
+
+@st.fragment(run_every=REFRESH_S)
+def live_log() -> None:
+    if run_dir.exists():
+        with st.expander("Log", expanded=selected.state == "failed"):
+            st.code(log_tail(run_dir, 80) or "(empty)", language="text")
+
+
+live_log()
+
+# ---- charts ----
+
+others = st.multiselect("Overlay other runs", [n for n in names if n != selected_name], key="runs_overlay")
+smoothing = st.slider("Smoothing", 0.0, 0.95, 0.0, 0.05, key="runs_smoothing")
+
+
+def charts(metrics: list[dict]) -> None:
     """The selected run's charts (other runs overlaid), config differences and evaluations."""
-    metrics = read_run(run_dir)["metrics"] if run_dir.exists() else []
-    st.session_state.setdefault("runs_metrics_drawn", {})[str(run_dir)] = len(metrics)
     series = {run_dir.name: metrics}
     for other in others:
         if (root / other).exists():
@@ -287,5 +336,4 @@ def charts() -> None:
                       for e in evaluations], hide_index=True)
 
 
-charts()
-live_status()
+charts(info["metrics"])
