@@ -171,26 +171,33 @@ def _time_estimate(name: str, stamp: int) -> str:
     return presets.time_estimate(name)
 
 
+def _new_here(times: dict[str, str] | None) -> None:
+    quick, learns = presets.DEFAULT_PRESET, "GRPO on the arithmetic sample"
+    here = (lambda name: f" *{times[name]}*.") if times else (lambda name: "")
+    st.markdown(f"**New here?**\n- **{quick}**, loaded below: the whole flow (launch, live charts, rollouts, compare, "
+                f"export) with a model too small and random to learn anything.{here(quick)}\n"
+                f"- **{learns}**: SmolLM2-135M-Instruct, which does learn the arithmetic.{here(learns)}")
+
+
 def _which_preset() -> Any:
-    """What to pick when new, and a slot for how long each preset takes here (filled last: the first estimate
-    reads the models' sizes and measures this machine, a few seconds)."""
-    st.markdown(f"**New here?** The config below starts as the **{presets.DEFAULT_PRESET}**: the whole flow (launch, "
-                "live charts, rollouts, compare, export) with a model too small and random to learn anything. "
-                "**GRPO on the arithmetic sample** trains SmolLM2-135M-Instruct, which does learn the arithmetic.")
+    """What to pick when new, in a slot that gets each preset's time here last (the first estimate reads the
+    models' sizes and measures this machine: a few seconds)."""
     slot = st.empty()
-    slot.status("Estimating how long each preset takes on this machine...", state="running")
+    with slot.container():
+        _new_here(None)
+        st.status("Estimating how long each preset takes on this machine...", state="running")
     return slot
 
 
 def _preset_times(slot) -> None:
-    lines = []
-    for name, path in presets.list_presets().items():
-        if path is not None:
-            lines.append(f"- {name}: {_time_estimate(name, path.stat().st_mtime_ns)}")
+    times = {name: _time_estimate(name, path.stat().st_mtime_ns)
+             for name, path in presets.list_presets().items() if path is not None}
     with slot.container():
-        st.caption("How long each preset's steps take on this machine (start-up, validation and checkpoints not "
-                   "counted; the plan panel below has the details for the config being edited):")
-        st.markdown("\n".join(lines))
+        _new_here(times)
+        with st.expander("How long each preset takes on this machine"):
+            st.caption("The steps' time as the plan panel predicts it here; start-up, validation and checkpoints "
+                       "come on top.")
+            st.markdown("\n".join(f"- {name}: {time}" for name, time in times.items()))
 
 
 def _on_check_files(text: str) -> None:
