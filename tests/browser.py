@@ -21,7 +21,6 @@ from backend.services.launcher import list_runs, stop
 REPO = Path(__file__).resolve().parents[1]
 
 CHROMIUM = "/usr/bin/chromium"
-SHOTS = REPO / "docs" / "screenshots"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"]
 
@@ -241,9 +240,14 @@ def launch_from_runs_page(page, name: str) -> None:
 
 
 def shot(page, name: str) -> None:
-    SHOTS.mkdir(parents=True, exist_ok=True)
+    """A full-page screenshot into the folder GRPO_WB_SCREENSHOTS names (docs/screenshots to refresh the docs'
+    pictures); none without it, so a test run leaves the checkout as it found it."""
+    folder = os.environ.get("GRPO_WB_SCREENSHOTS")
+    if not folder:
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
     page.locator("h1").first.scroll_into_view_if_needed()
-    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+    page.screenshot(path=str(Path(folder) / f"{name}.png"), full_page=True)
 
 
 def chart_points(page) -> int:

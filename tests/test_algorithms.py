@@ -16,6 +16,9 @@ from backend.rewards.scoring import score_batch
 
 from .conftest import tiny_overrides
 
+# Every test here starts a run, Ray, a worker, a server or a subprocess: make test-fast leaves them out.
+pytestmark = pytest.mark.slow
+
 ESTIMATORS = {
     "drgrpo": {"algorithm.adv_estimator": "drgrpo", "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm"},
     "reinforce_plus_plus": {"algorithm.adv_estimator": "reinforce_plus_plus",

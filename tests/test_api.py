@@ -14,6 +14,9 @@ from backend.rewards.rules import arithmetic_score
 
 from .conftest import REPO, tiny_overrides
 
+# Every test here starts a run, Ray, a worker, a server or a subprocess: make test-fast leaves them out.
+pytestmark = pytest.mark.slow
+
 EXAMPLE = REPO / "examples/three_files"
 
 

@@ -1,5 +1,5 @@
 """The real workbench in headless Chromium (tests/browser.py starts it and drives it): each page used as a
-user would. Screenshots of each page land in docs/screenshots/."""
+user would. With GRPO_WB_SCREENSHOTS=docs/screenshots they refresh the docs' screenshots of each page."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from .browser import (
     use_tiny_config,
 )
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed "
-                                "(make test installs it with apt-get)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not "
+                                                     "installed (make test installs it with apt-get)")]
 
 
 def test_config_page_shows_the_engines_validation_next_to_an_edited_field(page):

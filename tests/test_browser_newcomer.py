@@ -35,8 +35,8 @@ from .browser import (
     watch_for_silence,
 )
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed "
-                                "(make test installs it with apt-get)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not "
+                                                     "installed (make test installs it with apt-get)")]
 
 # About 2 s of DuckDB work on this 2-core machine: 2,000 x 2,000 x 20 rows.
 SLOW_SQL = "SELECT sum(length(a.data_source || b.data_source)) FROM data a, data b, (SELECT 1 FROM data LIMIT 20) c"

@@ -29,8 +29,8 @@ from .browser import (
     use_tiny_config,
 )
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed "
-                                "(make test installs it with apt-get)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not "
+                                                     "installed (make test installs it with apt-get)")]
 
 
 def open_run(page, name: str) -> None:

@@ -16,6 +16,9 @@ from backend.core.runs import read_metrics, read_status
 
 from .conftest import REPO, SHARED, tiny_overrides
 
+# Every test here starts a run, Ray, a worker, a server or a subprocess: make test-fast leaves them out.
+pytestmark = pytest.mark.slow
+
 GSM8K = SHARED / "data/gsm8k/train.jsonl"
 
 

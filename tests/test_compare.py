@@ -114,6 +114,7 @@ def _grows(texts: list[str]) -> bool:
     return all(later.startswith(earlier) and len(later) > len(earlier) for earlier, later in itertools.pairwise(texts))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-llama", "export"])
 def test_a_streamed_greedy_answer_grows_and_ends_as_the_plain_greedy_answer(model, tiny_run):
     model = str(tiny_run / "export") if model == "export" else model

@@ -27,6 +27,9 @@ from backend.engine.worker_group import WorkerError
 
 from .conftest import REPO, tiny_overrides, wait_for
 
+# Every test here starts a run, Ray, a worker, a server or a subprocess: make test-fast leaves them out.
+pytestmark = pytest.mark.slow
+
 COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy",
             "actor/pg_clipfrac", "response_length/mean")
 # Two optimizer steps a step (old log-probs in use), shuffled mini-batches, two micro-batches per rank.

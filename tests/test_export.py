@@ -23,6 +23,9 @@ from backend.services.model_picker import model_choices
 
 from .conftest import REPO, tiny_overrides
 
+# Every test here starts a run, Ray, a worker, a server or a subprocess: make test-fast leaves them out.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, sample_sets) -> Path:

@@ -19,6 +19,9 @@ from backend.services.launcher import _alive, launch, list_runs, resume, stop
 
 from .conftest import tiny_overrides, wait_for
 
+# Every test here starts a run, Ray, a worker, a server or a subprocess: make test-fast leaves them out.
+pytestmark = pytest.mark.slow
+
 STEPS = 6
 COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy",
             "response_length/mean")

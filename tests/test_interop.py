@@ -167,6 +167,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_config_from_verl_writes_a_yaml_that_validates_and_to_verl_prints_it_back(tmp_path):
     (tmp_path / "run.sh").write_text(GSM8K_GRPO)
     done = _cli("config", "from-verl", "run.sh", "--output", "x.yaml", cwd=tmp_path)
@@ -180,6 +181,7 @@ def test_cli_config_from_verl_writes_a_yaml_that_validates_and_to_verl_prints_it
     assert "actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct" in shown.stdout
 
 
+@pytest.mark.slow
 def test_cli_config_from_verl_without_a_verl_command_exits_2(tmp_path):
     (tmp_path / "run.sh").write_text("echo nothing\n")
     done = _cli("config", "from-verl", "run.sh", cwd=tmp_path)

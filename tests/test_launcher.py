@@ -45,6 +45,9 @@ from backend.services.run_views import config_diff, smooth
 
 from .conftest import tiny_overrides
 
+# Every test here starts a run, Ray, a worker, a server or a subprocess: make test-fast leaves them out.
+pytestmark = pytest.mark.slow
+
 LONG = 200  # steps: a run that is still going when the test acts on it
 
 

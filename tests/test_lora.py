@@ -3,6 +3,7 @@ with the merged weights, and checkpoints and exports fold the adapters into a pl
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -18,6 +19,9 @@ from backend.rollout.static_cache import StaticCacheEngine
 
 from .conftest import tiny_overrides
 from .test_workers import padded_batch
+
+# Every test here starts a run, Ray, a worker, a server or a subprocess: make test-fast leaves them out.
+pytestmark = pytest.mark.slow
 
 
 def test_merging_adds_scaled_b_times_a_and_drops_peft_names():

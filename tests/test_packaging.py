@@ -16,6 +16,9 @@ import pytest
 import backend
 from backend.cli import build_parser, streamlit_command
 
+# Every test here starts a run, Ray, a worker, a server or a subprocess: make test-fast leaves them out.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -49,6 +49,7 @@ def page(**state) -> AppTest:
     return at
 
 
+@pytest.mark.slow
 def test_the_page_renders_with_models_of_the_run_to_pick(home):
     at = page().run()
     assert not at.exception and not at.error

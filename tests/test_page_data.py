@@ -290,6 +290,7 @@ def _bytes_read() -> int:
                     if line.startswith("rchar:")))
 
 
+@pytest.mark.slow
 def test_a_two_gigabyte_file_previews_reading_a_small_part_of_it(workspace):
     import time
 

@@ -204,6 +204,7 @@ def test_a_step_without_a_token_log_says_so(hand_run):
 # ---- a real run ----
 
 
+@pytest.mark.slow
 def test_a_real_tiny_model_run_is_inspected_end_to_end(home, sample_sets):
     cfg = load_config(None, tiny_overrides(sample_sets))
     run = home / "runs" / "20260101-000000-tiny"

@@ -34,6 +34,7 @@ def test_with_no_runs_the_page_says_so_and_offers_launch(home):
     assert at.button(key="launch_button")
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_listed_and_its_charts_drawn(home, sample_sets):
     cfg = load_config(None, tiny_overrides(sample_sets))
     run_dir = home / "runs" / "20260101-000000-done"

@@ -356,6 +356,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_plan_of_the_default_config_with_tiny_qwen3_fits_an_h200():
     result = cli("configs/default.yaml", "actor_rollout_ref.model.path=tiny-qwen3", "--gpu", "h200")
     assert result.returncode == 0, result.stderr
@@ -367,6 +368,7 @@ def test_cli_plan_of_the_default_config_with_tiny_qwen3_fits_an_h200():
     assert "step time:" in out and "verdict: fits" in out
 
 
+@pytest.mark.slow
 def test_cli_plan_of_a_huge_config_on_an_l4_exits_1_and_says_what_to_change():
     result = cli("configs/default.yaml", "actor_rollout_ref.model.path=tiny-qwen3", "--gpu", "l4", *HUGE)
     assert result.returncode == 1, result.stderr
@@ -374,6 +376,7 @@ def test_cli_plan_of_a_huge_config_on_an_l4_exits_1_and_says_what_to_change():
     assert "ppo_micro_batch_size_per_gpu=" in result.stdout or "enable_gradient_checkpointing=true" in result.stdout
 
 
+@pytest.mark.slow
 def test_cli_plan_of_a_bad_config_exits_2_with_the_config_error():
     result = cli("configs/default.yaml", "data.train_batch_size=6", "--gpus", "1")
     assert result.returncode == 2

@@ -16,6 +16,9 @@ from backend.services import plotting, recipes
 from .conftest import SHARED, tiny_overrides
 from .test_cli import cli
 
+# Every test here starts a run, Ray, a worker, a server or a subprocess: make test-fast leaves them out.
+pytestmark = pytest.mark.slow
+
 GSM8K = SHARED / "data/gsm8k/train.jsonl"
 
 

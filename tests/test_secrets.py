@@ -14,7 +14,12 @@ import subprocess
 import sys
 import uuid
 
+import pytest
+
 from .conftest import REPO, tiny_overrides
+
+# Every test here starts a run, Ray, a worker, a server or a subprocess: make test-fast leaves them out.
+pytestmark = pytest.mark.slow
 
 SECRET_VARS = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MLFLOW_TRACKING_TOKEN")
 

@@ -15,8 +15,10 @@ from backend.engine.trainer import Trainer
 
 from .conftest import REPO
 
+# Every test here starts a run, Ray, a worker, a server or a subprocess: make test-fast leaves them out.
+pytestmark = pytest.mark.slow
 
-@pytest.mark.slow
+
 def test_two_steps_of_the_default_config_on_smollm2(tmp_path):
     cfg = load_config(REPO / "configs/default.yaml", [
         "trainer.total_training_steps=2", "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",

@@ -18,6 +18,9 @@ from backend.engine.trainer import Trainer
 
 from .conftest import tiny_overrides
 
+# Every test here starts a run, Ray, a worker, a server or a subprocess: make test-fast leaves them out.
+pytestmark = pytest.mark.slow
+
 ALL = "[console,jsonl,tensorboard,wandb,mlflow]"
 
 

@@ -21,6 +21,9 @@ from backend.engine.worker_group import WorkerGroup
 
 from .conftest import tiny_overrides
 
+# Every test here starts a run, Ray, a worker, a server or a subprocess: make test-fast leaves them out.
+pytestmark = pytest.mark.slow
+
 CORE_METRICS = [
     "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "actor/pg_loss", "actor/kl_loss",
     "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/lr", "response_length/mean",
