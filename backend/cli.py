@@ -429,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("config", help="YAML config file, or `defaults` for the schema defaults (no file)")
     pl.add_argument("overrides", nargs="*", help="e.g. actor_rollout_ref.rollout.n=8")
     pl.add_argument("--gpu", default=None, choices=list(GPUS),
-                    help="GPU kind to plan for (default: the visible GPU, else h200)")
+                    help="GPU kind to plan for (default: this machine: its GPU, else its CPU)")
     pl.add_argument("--gpus", type=int, default=None, help="GPUs per node (replaces trainer.n_gpus_per_node)")
     pl.set_defaults(func=cmd_plan)
 
