@@ -173,18 +173,15 @@ def _children(pid: int) -> dict[int, str]:
     return out
 
 
-def test_when_the_ray_head_is_gone_the_run_fails_clearly_and_resumes_from_its_checkpoint(tmp_path, sample_sets):
-    def reward_with_sleep(seconds: float) -> Path:
-        reward = tmp_path / f"sleep_{seconds * 1000:.0f}ms.py"
-        reward.write_text(SLOW_REWARD.replace("time.sleep(0.4)", f"time.sleep({seconds})"))
-        return reward
-
-    def config_with_sleep(seconds: float):
-        return load_config(None, tiny_overrides(sample_sets, **{
-            "trainer.total_training_steps": 12, "trainer.save_freq": 2, "data.val_files": "[]",
-            "custom_reward_function.path": str(reward_with_sleep(seconds))}))
-
-    cfg = config_with_sleep(1.5)  # 1.5 s a step: the run outlasts the ~10 s it takes to notice the head is gone
+def test_when_the_ray_head_is_gone_the_run_fails_clearly_with_its_last_checkpoint_whole(tmp_path, sample_sets):
+    """The head is noticed gone within about 10 s; the run is paced at 1.5 s a step and long enough to outlast
+    that. Resuming from a whole checkpoint after a killed run is the sigkill test's: here the checkpoint is
+    shown whole."""
+    reward = tmp_path / "sleep_1500ms.py"
+    reward.write_text(SLOW_REWARD.replace("time.sleep(0.4)", "time.sleep(1.5)"))
+    cfg = load_config(None, tiny_overrides(sample_sets, **{
+        "trainer.total_training_steps": 60, "trainer.save_freq": 2, "data.val_files": "[]",
+        "custom_reward_function.path": str(reward)}))
     run_dir = launch(cfg, name="headless", runs_root=tmp_path)
     wait_for(lambda: list_checkpoints(run_dir) and (read_status(run_dir) or {}).get("step", 0) >= 3)
     # The private Ray the trainer started: its GCS server is the head every worker and the driver talk to.
@@ -194,17 +191,9 @@ def test_when_the_ray_head_is_gone_the_run_fails_clearly_and_resumes_from_its_ch
     status = read_status(run_dir)
     assert status["state"] == "failed" and "the Ray head at" in status["error"] and "is gone" in status["error"]
     steps = [m["step"] for m in read_metrics(run_dir)]
-    assert steps == list(range(1, len(steps) + 1)) and len(steps) < 12
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) < 60
     assert checkpoint.load_merged_model(list_checkpoints(run_dir)[-1])
     wait_for(lambda: not _alive(status["pid"]), timeout=90)
-
-    # The same scores without the sleep: only the run that is interrupted needs pacing (18 s less), so the
-    # resumed rest of it and the straight run it is compared with score the same way without it (12 s less).
-    resume(run_dir, overrides=[f"custom_reward_function.path={reward_with_sleep(0)}"])
-    wait_for(lambda: (read_status(run_dir) or {}).get("state") == "succeeded", timeout=240)
-    Trainer(config_with_sleep(0), tmp_path / "straight", show_progress=False).train()
-    assert_same_run(tmp_path / "straight", run_dir, steps=12)
-
 
 def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_whole_one(tmp_path, config, rewards,
                                                                                      straight_run):
