@@ -269,9 +269,23 @@ def finished_run(workspace, sample_sets) -> Path:
     return run_dir
 
 
-def select_option(page, widget_key: str, text: str) -> None:
-    page.locator(f"{key(widget_key)} input[role='combobox']").click()
-    page.get_by_role("option").filter(has_text=text).first.click()
+def select_option(page, widget_key: str, text: str, timeout_s: float = 120) -> None:
+    """Pick the first option containing `text`. A rerun of the page (a run that finished, a new metrics
+    line) redraws the select box and closes its open list, so the list is opened again until the pick
+    lands."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    deadline = time.time() + timeout_s
+    while True:
+        settle(page)
+        page.locator(f"{key(widget_key)} input[role='combobox']").click()
+        try:
+            page.get_by_role("option").filter(has_text=text).first.click(timeout=10_000)
+            break
+        except PlaywrightTimeout:
+            if time.time() > deadline:
+                raise
+            page.keyboard.press("Escape")
     settle(page)
 
 

@@ -38,13 +38,13 @@ def tiny_tokenizer():
     return load_tokenizer("tiny-qwen3")
 
 
-def wait_for(predicate, timeout: float = 240.0) -> None:
-    """Poll `predicate` every 50 ms until it is true; fail the test after `timeout` seconds."""
+def wait_for(predicate, timeout: float = 240.0, every_s: float = 0.05) -> None:
+    """Poll `predicate` every `every_s` seconds until it is true; fail the test after `timeout` seconds."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if predicate():
             return
-        time.sleep(0.05)
+        time.sleep(every_s)
     raise AssertionError(f"timed out after {timeout:.0f} s")
 
 

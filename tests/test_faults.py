@@ -198,9 +198,24 @@ def test_when_the_ray_head_is_gone_the_run_fails_clearly_with_its_last_checkpoin
 def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_whole_one(tmp_path, config, rewards,
                                                                                      straight_run):
     run_dir = launch(config(paced=True), name="torn", runs_root=tmp_path)
-    # the trainer says "saving checkpoint step_4" as the write starts; kill the whole process group then
-    wait_for(lambda: ((read_status(run_dir) or {}).get("stage") or "").startswith("saving checkpoint step_4"))
+    # Step 4's checkpoint is written into .tmp_step_4 for some 40 ms: kill the whole process group as soon
+    # as a file is in it. The run's processes are niced, so this poll (every millisecond) is not starved.
+    writing, written = run_dir / "checkpoints" / ".tmp_step_4", run_dir / "checkpoints" / "step_4"
+
+    seen_mid_write = []
+
+    def mid_write_or_written() -> bool:
+        try:
+            if any(writing.iterdir()):
+                seen_mid_write.append(True)
+                return True
+        except FileNotFoundError:
+            pass
+        return written.exists()
+
+    wait_for(mid_write_or_written, every_s=0.001)
     os.killpg(read_status(run_dir)["pgid"], signal.SIGKILL)
+    assert seen_mid_write, "the write had finished before a poll saw it"
     wait_for(lambda: [r for r in list_runs(tmp_path) if r.state == "failed"], timeout=30)
     whole = [p.name for p in list_checkpoints(run_dir)]
     assert whole[0] == "step_2" and set(whole) <= {"step_2", "step_4"}  # never a half-written one
