@@ -195,6 +195,7 @@ def test_when_the_ray_head_is_gone_the_run_fails_clearly_with_its_last_checkpoin
     assert checkpoint.load_merged_model(list_checkpoints(run_dir)[-1])
     wait_for(lambda: not _alive(status["pid"]), timeout=90)
 
+
 def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_whole_one(tmp_path, config, rewards,
                                                                                      straight_run):
     run_dir = launch(config(paced=True), name="torn", runs_root=tmp_path)
