@@ -9,6 +9,9 @@ from pathlib import Path
 
 import streamlit as st
 
+from backend.core.config import Config, draft_config
+from backend.services import presets
+
 # The run the user opened last, on the Runs or the Rollouts page (a run name): what Compare starts from.
 OPENED_RUN = "_opened_run"
 
@@ -32,6 +35,13 @@ def guarded(section, *args, slot=None) -> None:
         section(*args)
     except Exception as e:  # a section's own bug must not take down the rest of the page
         (slot or st).error(f"{section.__name__.strip('_').replace('_', ' ')} failed: {type(e).__name__}: {e}")
+
+
+def editing_config() -> Config:
+    """The config being edited on the Config page (else the landing preset's), as far as it reads: a config
+    with problems still gives every key it can."""
+    text = st.session_state.get(presets.SESSION_KEY) or presets.preset_yaml_text(presets.DEFAULT_PRESET)
+    return draft_config(text) or Config()
 
 
 def remember_opened_run(selection_key: str) -> None:

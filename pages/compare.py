@@ -15,13 +15,12 @@ import time
 from pathlib import Path
 
 import streamlit as st
-from page_support import OPENED_RUN, guarded, is_entry_point
+from page_support import OPENED_RUN, editing_config, guarded, is_entry_point
 
 from backend.core import workspace
-from backend.core.config import Config, draft_config
 from backend.core.models import SHIPPED, is_model_folder
 from backend.rollout.base import SamplingParams
-from backend.services import compare, presets
+from backend.services import compare
 from backend.services.export import export_checkpoint
 from backend.services.launcher import list_runs
 from backend.services.model_picker import compare_defaults, exports_dir, model_choices
@@ -40,12 +39,6 @@ def _error(what: str, e: Exception) -> None:
 
 def _choices() -> list[tuple[str, str]]:
     return model_choices(workspace.runs_root(), exports_dir())
-
-
-def _editing_model() -> str:
-    """The model of the config being edited on the Config page (else the landing preset's)."""
-    text = st.session_state.get(presets.SESSION_KEY) or presets.preset_yaml_text(presets.DEFAULT_PRESET)
-    return (draft_config(text) or Config()).actor_rollout_ref.model.path
 
 
 def _resolve_model(side: str, choices: dict[str, str]) -> str:
@@ -68,7 +61,8 @@ def _pickers() -> tuple[str | None, str | None]:
     choices = dict(pairs)
     labels = list(choices)
     opened = st.session_state.get(OPENED_RUN)
-    defaults = dict(zip("ab", compare_defaults(pairs, workspace.runs_root(), opened, _editing_model()), strict=True))
+    base = editing_config().actor_rollout_ref.model.path
+    defaults = dict(zip("ab", compare_defaults(pairs, workspace.runs_root(), opened, base), strict=True))
     if opened:
         st.caption(f"Starting from the run you opened last, {opened}: A is its base model, B what it trained.")
     models: list[str | None] = []

@@ -24,13 +24,12 @@ from typing import Any
 
 import plotly.graph_objects as go
 import streamlit as st
-from page_support import guarded, is_entry_point
+from page_support import editing_config, guarded, is_entry_point
 
 from backend.core import workspace
-from backend.core.config import Config, draft_config
 from backend.core.models import SHIPPED, load_tokenizer
 from backend.rewards.registry import known_data_sources
-from backend.services import presets, preview
+from backend.services import preview
 
 # Read when the page runs (not bound as a default argument), so a test can lower it on the loaded module.
 UPLOAD_LIMIT_MB = 200
@@ -222,10 +221,8 @@ def _first_rows(summary: dict[str, Any]) -> None:
 
 
 def _config_settings() -> tuple[str, int]:
-    """The model and data.max_prompt_length of the config being edited (the Config page's text, else the
-    landing preset's). A config with problems still names them: the draft takes every key it can."""
-    text = st.session_state.get(presets.SESSION_KEY) or presets.preset_yaml_text(presets.DEFAULT_PRESET)
-    draft = draft_config(text) or Config()
+    """The model and data.max_prompt_length of the config being edited."""
+    draft = editing_config()
     return draft.actor_rollout_ref.model.path, draft.data.max_prompt_length
 
 
@@ -475,7 +472,8 @@ def main() -> None:
     # What needs the model's tokenizer comes last, into the slots left for it: the rest of the page is drawn.
     max_len = int(st.session_state["data_max_prompt_length"])
     if lengths is not None:
-        guarded(_token_lengths, lengths[2], path, stamp, summary, lengths[0], lengths[1], slot=lengths[2])
+        model, field_len, slot = lengths
+        guarded(_token_lengths, slot, path, stamp, summary, model, field_len, slot=slot)
     if problems_slot is not None:
         guarded(_engine_problems, problems_slot, path, stamp, max_len, slot=problems_slot)
 

@@ -228,16 +228,11 @@ def live_status() -> None:
 live_status()
 
 
-def _request_stop(run: Path) -> None:
-    """Ask the run to stop and return at once (before the page is drawn again, so it shows the run stopping)."""
-    stop(run, wait=False)
-
-
 active = selected.state in ("queued", "running")
 c1, c2, c3, c4 = st.columns(4)
 with c1:
     st.button("Stop", key="run_stop", disabled=not active or selected.stage == "stopping",
-              on_click=_request_stop, args=(run_dir,))
+              on_click=stop, args=(run_dir,), kwargs={"wait": False})  # returns at once: the page shows it stopping
     if selected.stage == "stopping":
         st.info("Stop requested: the run ends within seconds.")
     if active:

@@ -40,13 +40,18 @@ import functools
 import math
 import os
 import re
+import threading
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from backend.core.checkpoint import HF
 from backend.core.config import Config, ConfigError, batch_plan, uses_critic, validate_config, yaml_value
-from backend.core.models import ModelError
-from backend.engine.distributed import gathers_once
+from backend.core.models import ModelError, resolve_model
+from backend.engine.distributed import decoder_layers, gathers_once
 from backend.engine.log_probs import LOG_PROB_CHUNK_TOKENS
 from backend.rollout.static_cache import ARCHITECTURES
 
@@ -139,8 +144,6 @@ def match_gpu(device_name: str, memory_gib: float) -> str | None:
 def visible_gpu() -> GPU | None:
     """The first visible CUDA GPU, with its own total memory and the table's speeds (None when its name is
     not in the table); None when there is no GPU."""
-    import torch
-
     if not torch.cuda.is_available():
         return None
     props = torch.cuda.get_device_properties(0)
@@ -168,11 +171,6 @@ def cpu_flops() -> float:
     194 GFLOP/s with other work running, as a product waits for its slower thread; one thread's stayed at
     101-103. OpenMP's thread count is per thread, but torch also keeps it as the default of threads that have not
     used torch yet: the caller's is fixed first, and the default is put back as it was."""
-    import threading
-    import time
-
-    import torch
-
     threads = torch.get_num_threads()
     fastest: list[float] = []
 
@@ -218,12 +216,7 @@ class ModelDims:
 def model_dims(path: str) -> ModelDims:
     """The dimensions of the model a config names (a shipped name, a folder, a run checkpoint or a Hub id).
     Cached per path: the first call for a model takes a few seconds, later ones nothing."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from backend.core.checkpoint import HF
-    from backend.core.models import ModelError, resolve_model
-    from backend.engine.distributed import decoder_layers
 
     source = Path(resolve_model(path))
     if (source / HF / "config.json").is_file():  # a sharded run checkpoint keeps its config there

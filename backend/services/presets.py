@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from backend.core import workspace
-from backend.core.config import Config, ConfigError, dump_yaml, to_dict
+from backend.core.config import Config, ConfigError, config_from_yaml_text, dump_yaml, to_dict
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -66,7 +66,8 @@ def time_estimate(name: str) -> str:
     """How long the preset's run takes on this machine, in words: its model, its steps and their time as
     backend.services.planner predicts it here (start-up, validation and checkpoints not counted). A shipped
     model that has not been made yet is named instead of made: converting SmolLM2 takes most of a minute."""
-    from backend.core.config import config_from_yaml_text
+    # Here, not at the top: the planner and the models bring torch (seconds), which every page imports this
+    # module for, and only the Config page's estimate needs.
     from backend.core.models import SHIPPED, cache_dir, is_model_folder
     from backend.services import planner
 
