@@ -31,6 +31,10 @@ _PUBLIC = {
     "DataError": "backend.core.data",
     "RewardError": "backend.rewards.registry",
     "ModelError": "backend.core.models",
+    "Environment": "backend.envs.environment",  # multi-turn: subclass with reset(row) and step(assistant_text)
+    "Step": "backend.envs.environment",         # what an environment's step returns
+    "register_environment": "backend.envs.environment",  # decorator: your environment under a name
+    "register_tool": "backend.envs.tools",      # decorator: a function the model can call
 }
 
 __all__ = sorted(_PUBLIC)

@@ -32,6 +32,16 @@ def cmd_data_make_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_make_calculator(args: argparse.Namespace) -> int:
+    from backend.core import data
+
+    paths = data.write_calculator_sets(args.out, seed=args.seed, n_train=args.n_train, n_val=args.n_val,
+                                       n_demos=args.n_demos)
+    for split, path in paths.items():
+        print(f"{split}: {path}")
+    return 0
+
+
 def cmd_data_gsm8k(args: argparse.Namespace) -> int:
     from backend.core import data
 
@@ -130,6 +140,21 @@ def end_process(rc: int) -> NoReturn:
     sys.exit(rc)
 
 
+def cmd_sft(args: argparse.Namespace) -> int:
+    from backend.core.config import load_config
+    from backend.core.runs import new_run_dir
+    from backend.engine.sft import train_sft
+
+    _quiet_transformers()
+    cfg = load_config(None if args.config == "defaults" else args.config, args.overrides)
+    name = f"{cfg.trainer.experiment_name}-sft" if cfg.trainer.experiment_name else "sft"
+    run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(cfg.trainer.runs_root, name)
+    print(f"run directory: {run_dir}")
+    export = train_sft(cfg, run_dir, show_progress=not args.quiet)
+    print(f"done: {export} (use it as actor_rollout_ref.model.path)")
+    return 0
+
+
 def cmd_recipe(args: argparse.Namespace) -> int:
     from backend.core.config import load_config
     from backend.services import recipes
@@ -141,11 +166,14 @@ def cmd_recipe(args: argparse.Namespace) -> int:
     recipe = recipes.get_recipe(args.name)
     # Validate before making data: a mistyped override must not cost a GSM8K conversion first.
     load_config(recipe.config, args.overrides)
-    inputs = {"gsm8k_jsonl": args.gsm8k_jsonl, "data_dir": args.data_dir}
-    cfg = load_config(recipe.config, [*recipes.data_overrides(recipe, inputs), *args.overrides])
+    inputs = {"gsm8k_jsonl": args.gsm8k_jsonl, "data_dir": args.data_dir, "overrides": args.overrides,
+              "show_progress": not args.quiet}
+    # What the recipe made (its data, a warm-started model) is where its run starts, whatever else is overridden.
+    made, notes = recipes.prepare(recipe, inputs)
+    cfg = load_config(recipe.config, [*args.overrides, *made])
     rc, run_dir = _train(cfg, args.run_dir, quiet=args.quiet)
     if rc == 0:
-        result = recipes.write_report(run_dir, recipe, "python -m backend " + shlex.join(args.argv))
+        result = recipes.write_report(run_dir, recipe, "python -m backend " + shlex.join(args.argv), notes)
         print(recipes.summary(result))
         print(f"report: {run_dir / 'recipe.json'}")
     return rc
@@ -382,6 +410,14 @@ def build_parser() -> argparse.ArgumentParser:
     ms.add_argument("--n-train", type=int, default=2000)
     ms.add_argument("--n-val", type=int, default=200)
     ms.set_defaults(func=cmd_data_make_sample)
+    mc = d.add_parser("make-calculator", help="write multi-digit problems for the calculator tool and demonstrations "
+                                             "of its use (calculator_{train,val,demos}.parquet)")
+    mc.add_argument("--out", default="data")
+    mc.add_argument("--seed", type=int, default=0)
+    mc.add_argument("--n-train", type=int, default=2000)
+    mc.add_argument("--n-val", type=int, default=200)
+    mc.add_argument("--n-demos", type=int, default=512)
+    mc.set_defaults(func=cmd_data_make_calculator)
     gs = d.add_parser("gsm8k", help="convert GSM8K's official JSONL into verl-shaped parquet")
     gs.add_argument("--input", required=True)
     gs.add_argument("--output", required=True)
@@ -394,6 +430,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="e.g. actor_rollout_ref.rollout.n=8")
     _add_run_options(t)
     t.set_defaults(func=cmd_train)
+
+    sf = sub.add_parser("sft", help="supervised warm-start on demonstrations (sft.* keys), before an RL run",
+                        description="Fine-tune actor_rollout_ref.model.path on sft.train_files (conversations; loss on "
+                                    "the assistant messages) and write a run directory whose export/ an RL run "
+                                    "starts from.")
+    sf.add_argument("config", help="YAML config file, or `defaults`")
+    sf.add_argument("overrides", nargs="*", help="e.g. sft.train_files=[data/calculator_demos.parquet] sft.steps=200")
+    _add_run_options(sf)
+    sf.set_defaults(func=cmd_sft)
 
     r = sub.add_parser("recipe", help="train a named recipe and report held-out accuracy before and after",
                        description="Train a recipe (configs/recipes/NAME.yaml) and write <run>/recipe.json with "

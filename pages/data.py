@@ -2,7 +2,8 @@
 
 Pick a file (sample_data/ and uploads/, a typed path, or an upload) and see its schema, first rows with
 chat prompts readable, prompt token lengths against data.max_prompt_length, data sources, ground
-truths, a read-only SQL box over the view `data`, a reward playground, and the problems the engine
+truths, a read-only SQL box over the view `data`, a reward playground, an environment playground (step the
+configured multi-turn environment by hand), and the problems the engine
 would reject the file for. The page draws what `backend.services.preview` answers; every error is shown where
 it happened and the rest of the page still renders.
 
@@ -29,7 +30,7 @@ from page_support import editing_config, guarded, is_entry_point
 from backend.core import workspace
 from backend.core.models import SHIPPED, load_tokenizer
 from backend.rewards.registry import known_data_sources
-from backend.services import preview
+from backend.services import playground, preview
 
 # Read when the page runs (not bound as a default argument), so a test can lower it on the loaded module.
 UPLOAD_LIMIT_MB = 200
@@ -414,6 +415,84 @@ def _reward_playground(summary: dict[str, Any], path: Path) -> None:
             st.dataframe(preview.display_columns(list(fails[0]), [list(f.values()) for f in fails]), hide_index=True)
 
 
+def _environment_playground(summary: dict[str, Any], path: Path) -> None:
+    """One episode of the configured environment, stepped by hand: the user writes the assistant's turns."""
+    st.subheader("Environment playground")
+    mt = editing_config().actor_rollout_ref.rollout.multi_turn
+    tools = ", ".join(mt.tools) or "none"
+    st.caption(f"The environment `{mt.environment}` with tools {tools}, as actor_rollout_ref.rollout.multi_turn "
+               f"in the config{'' if mt.enable else ' (multi-turn is off there: a run would not use it)'}. Write "
+               'what the model might, e.g. `<tool_call>{"name": "calculator", "arguments": {"expression": '
+               '"347 * 86"}}</tool_call>`, and see the environment answer.')
+    rows = summary["head"][:REFERENCE_ROWS]
+    if not rows:
+        st.info("The file has no rows to start an episode from.")
+        return
+    pick = st.selectbox("Start from row", list(range(len(rows))), key="env_row",
+                        format_func=lambda i: f"row {i}: {_short(preview.render_prompt(rows[i].get('prompt')))}")
+    key = (str(path), pick, repr(mt))
+    held = st.session_state.get("_env_trial")
+    if st.button("Start again", key="env_restart") or held is None or held[0] != key:
+        try:
+            held = (key, playground.EnvironmentTrial(mt, rows[pick], f"{path.name} row {pick}"))
+        except ValueError as e:  # a tool, an environment or the row that cannot be used: say which
+            st.session_state.pop("_env_trial", None)
+            st.error(str(e))
+            return
+        st.session_state["_env_trial"] = held
+    trial = held[1]
+    with st.expander(f"Tools offered to the model ({len(trial.tools)})"):
+        st.json(trial.tools, expanded=False)
+    for message in trial.messages:
+        st.chat_message(message.get("role", "user")).markdown(_escape(str(message.get("content", ""))))
+    if trial.error:
+        st.error(trial.error)
+    for turn in trial.turns:
+        _draw_turn(turn)
+    if trial.done:
+        total = trial.total_reward()
+        st.success(f"Episode over after {len(trial.turns)} assistant turn(s)"
+                   + (f"; environment reward {total}" if total else "; the run's reward function scores the last "
+                      "assistant message"))
+        return
+    text = st.text_area("Assistant turn", key="env_assistant_text", height=100)
+    if st.button("Send to the environment", key="env_send"):
+        if not text.strip():
+            st.warning("Write the assistant's turn first.")
+            return
+        with st.spinner("The environment answers..."):
+            trial.step(text)
+        st.rerun()
+
+
+def _draw_turn(turn: dict[str, Any]) -> None:
+    st.chat_message("assistant").code(turn["assistant"], language=None, wrap_lines=True)
+    for call in turn["tool_calls"]:
+        label = f"tool call `{call['name'] or '?'}` ({call['seconds']:.3f} s)"
+        with st.chat_message("tool", avatar=":material/build:"):
+            st.markdown(label)
+            if call["arguments"] is not None:
+                st.json(call["arguments"])
+            (st.error if call["failure"] else st.code)(call["output"])
+    for message in turn["observation"] if not turn["tool_calls"] else []:
+        st.chat_message(message.get("role", "user")).markdown(_escape(str(message.get("content", ""))))
+    if turn["error"]:
+        st.error(f"The environment failed: {turn['error']} (a run ends this episode with reward 0)")
+    if turn["reward"]:
+        st.caption(f"reward parts: {turn['reward']}")
+    if turn.get("truncated"):
+        st.warning(f"Episode ended: {turn['truncated']}")
+
+
+def _escape(text: str) -> str:
+    return re.sub(r"([\\`*_{}\[\]()#+\-.!<>|~$])", r"\\\1", text)
+
+
+def _short(text: str, n: int = 60) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= n else line[:n] + "..."
+
+
 def _engine_problems_slot(summary: dict[str, Any]) -> Any:
     """The section's header and an empty slot for its verdict (filled last: it waits for the tokenizer), or None
     when the file is too big to check without the user's go-ahead and it was not given."""
@@ -468,6 +547,7 @@ def main() -> None:
     guarded(_sources_and_truths, summary)
     guarded(_sql_box, path)
     guarded(_reward_playground, summary, path)
+    guarded(_environment_playground, summary, path)
     problems_slot = _engine_problems_slot(summary)
     # What needs the model's tokenizer comes last, into the slots left for it: the rest of the page is drawn.
     max_len = int(st.session_state["data_max_prompt_length"])

@@ -3,14 +3,17 @@
 Pick a run and a step; see the n responses to each prompt together, with the group's reward mean and
 spread (a group whose responses all scored the same gives GRPO no signal), filter them, follow one
 prompt across steps, and look at a logged response token by token (log-prob, entropy, advantage, KL,
-clipping). Everything is read from the run directory through `backend.services.rollouts`; a run with no
-rollouts yet, a deleted run or a torn file gets a message, never a stack trace.
+clipping). A multi-turn run's responses are episodes: they are shown turn by turn, with each tool call,
+its output and why the episode ended, and their tool and environment tokens are greyed in the token view.
+Everything is read from the run directory through `backend.services.rollouts`; a run with no rollouts yet,
+a deleted run or a torn file gets a message, never a stack trace.
 
 Runs inside the workbench (app/main.py, st.navigation), or on its own under AppTest.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -142,9 +145,18 @@ def _filters(rows: list[dict], summary: dict[str, Any]) -> dict[str, Any]:
     zero = c4.checkbox("Only zero-spread groups", key="rollouts_zero_spread",
                        help="Groups whose responses all got the same reward: GRPO's advantage is 0 for them.")
     text = c5.text_input("Search prompt and response", key="rollouts_search", placeholder="case-insensitive text")
+    episode = {"tool_error": False, "max_turns": False, "no_tool_call": False}
+    if ir.has_episodes(rows):
+        c6, c7, c8 = st.columns([1, 1, 2])
+        episode["tool_error"] = c6.checkbox("tool error", key="rollouts_tool_error",
+                                            help="Episodes with a failed tool call or an environment error.")
+        episode["max_turns"] = c7.checkbox("hit max turns", key="rollouts_max_turns",
+                                           help="finish_reason = max_turns: the turn limits ended the episode.")
+        episode["no_tool_call"] = c8.checkbox("no tool call", key="rollouts_no_tool_call",
+                                              help="Episodes in which the model never called a tool.")
     return {"reward_min": low if low > lo else None, "reward_max": high if high < hi else None,
             "data_sources": chosen or None, "truncated_only": truncated, "zero_spread_only": zero,
-            "text": text or None}
+            "text": text or None, **episode}
 
 
 # ---- sections ----
@@ -172,6 +184,57 @@ def _response_line(r: dict, parts: list[str], tag: str) -> str:
     return f"{tag}{' · '.join(bits)}"
 
 
+def _response(r: dict, parts: list[str], tag: str) -> None:
+    """A response's line, then its text; an episode's turns in order instead, and why it ended."""
+    st.markdown(_response_line(r, parts, tag))
+    turns = ir.episode_turns(r)
+    if turns is None:
+        st.text(r.get("response") or "")
+        if ir.is_episode(r):
+            st.caption("The turns of this episode could not be read; its last assistant message is shown.")
+        return
+    for turn in turns:
+        _turn(turn)
+    if r.get("episode_error") and not any(t.get("role") == "error" for t in turns):  # reset or rendering failed
+        st.error(f"Environment error: {_md(r['episode_error'])}")
+    reason = r.get("finish_reason")  # the line above names it; this says why in words
+    st.caption(f"turns {r.get('num_turns', len(turns))} · tool calls {r.get('tool_calls', '?')}, failed "
+               f"{r.get('tool_failures', '?')} · ended: {_md(ir.finish_words(reason))}")
+
+
+def _turn(turn: dict) -> None:
+    role = str(turn.get("role") or "?")
+    if role == "error":
+        st.error(f"Environment error: {_md(turn.get('text'))}")
+    elif role == "assistant":
+        st.markdown(f"**assistant** · {_md(turn.get('tokens', '?'))} tokens")
+        st.text(turn.get("text") or "")
+        for call in turn.get("tool_calls") or []:
+            _tool_call(call)
+    else:  # an observation: a tool's output or the environment's message
+        name = f" · {_md(turn['name'])}" if turn.get("name") else ""
+        st.markdown(f"**{_md(role)}**{name}")
+        st.text(turn.get("text") or "")
+
+
+def _tool_call(call: dict) -> None:
+    seconds = call.get("seconds")
+    took = f" · {seconds:.2f} s" if isinstance(seconds, (int, float)) else ""
+    st.markdown(f"↳ tool call **{_md(call.get('name') or 'unnamed')}**{took}")
+    arguments = call.get("arguments")
+    if arguments is None:
+        st.caption("no arguments parsed")
+    else:
+        st.code(json.dumps(arguments, indent=2, ensure_ascii=False, default=str), language="json")
+    failure = call.get("failure")
+    if failure:
+        words = ir.FAILURE_WORDS.get(str(failure), "")
+        st.markdown(f":red-badge[tool error] **{_md(failure)}**{': ' + _md(words) if words else ''} · output:")
+    else:
+        st.caption("output:")
+    st.text(call.get("output") or "")
+
+
 def _groups(groups: list[dict], parts: list[str], n_groups: int) -> None:
     st.subheader("Groups")
     n_shown = sum(len(g["shown"]) for g in groups)
@@ -197,8 +260,7 @@ def _groups(groups: list[dict], parts: list[str], n_groups: int) -> None:
                     tag = ":green-badge[best] "
                 elif not g["zero_spread"] and r.get("reward") == g["min"]:
                     tag = ":red-badge[worst] "
-                st.markdown(_response_line(r, parts, tag))
-                st.text(r.get("response") or "")
+                _response(r, parts, tag)
 
 
 def _history_section(run_dir: Path, rows: list[dict], groups: list[dict]) -> None:
@@ -237,8 +299,7 @@ def _history_section(run_dir: Path, rows: list[dict], groups: list[dict]) -> Non
         with st.expander(f"step {g['step']} · group {g['group']} · {g['n']} responses · mean reward "
                          f"{_fmt(g['mean'])} ± {_fmt(g['std'])}"):
             for r in g["responses"]:
-                st.markdown(_response_line(r, parts, ""))
-                st.text(r.get("response") or "")
+                _response(r, parts, "")
     if len(steps) > HISTORY_STEPS:
         st.caption(f"Texts of the newest {HISTORY_STEPS} of {len(steps)} steps shown; the chart has all.")
 
@@ -273,17 +334,23 @@ def _token_section(run_dir: Path, step: int, rows: list[dict]) -> None:
     if record is None:
         st.info(f"Row {row} was not logged.")
         return
-    values = record[quantity]
+    values, sampled = record[quantity], record["sampled"]
     spec = ir.TOKEN_QUANTITIES[quantity]
     stats = ir.token_summary(record, quantity)
     if not stats["with_value"]:
         st.info(f"{spec.label}: no values for this response"
                 + (" (the run has no reference model)." if quantity in ("kl", "ref_log_prob") else "."))
     st.caption(spec.help)
-    st.html(ir.token_legend_html(quantity, values))
-    st.html(ir.token_html(record["tokens"], values, quantity, clipped=record["clipped"]))
-    st.caption(f"{stats['tokens']} tokens · mean {spec.label.lower()} {_fmt(stats['mean'], '.4f')} · "
+    st.html(ir.token_legend_html(quantity, values, sampled=sampled))
+    st.html(ir.token_html(record["tokens"], values, quantity, clipped=record["clipped"], sampled=sampled))
+    counted = f"{stats['tokens']} tokens"
+    if stats["sampled"] < stats["tokens"]:
+        counted += f", {stats['sampled']} sampled by the policy"
+    st.caption(f"{counted} · mean {spec.label.lower()} {_fmt(stats['mean'], '.4f')} · "
                f"{stats['clipped']} clipped · hover a token for its exact value.")
+    if stats["sampled"] < stats["tokens"]:
+        st.caption("Grey tokens are tool or environment output inside the episode: not sampled by the policy, they "
+                   "carry no loss and are left out of the mean and the clipped count.")
 
 
 def _guarded(section, *args) -> None:

@@ -47,6 +47,15 @@ CHARTS = {
     "Validation accuracy": "val/*/accuracy",
     "Time per phase (s)": "timing_s/*",
     "Throughput (tokens/s)": ["perf/throughput"],
+    "Supervised loss (python -m backend sft)": ["sft/loss"],
+    # Multi-turn runs only (a chart with none of its keys is not drawn).
+    "Turns per episode": ["num_turns/mean", "multi_turn/assistant_turns/mean"],
+    "Tool calls per episode and success rate": ["tool/calls_per_episode/mean", "tool/success_rate",
+                                                "val/tool_call_rate"],
+    "Failed tool calls": ["tool/errors", "tool/timeouts", "tool/parse_errors", "tool/unknown_tool",
+                          "tool/bad_arguments"],
+    "Episodes truncated, without a call": ["multi_turn/truncated_by_budget", "multi_turn/truncated_by_turns",
+                                           "multi_turn/no_tool_call"],
 }
 
 
@@ -180,6 +189,22 @@ def _reward_problem(metrics: list[dict]) -> str:
     return ""
 
 
+def _tool_problem(metrics: list[dict]) -> str:
+    """What went wrong with tool calls or environments at the latest step that had trouble, or ""."""
+    kinds = {"errors": "raised", "timeouts": "timed out", "parse_errors": "were not valid calls",
+             "unknown_tool": "named no tool", "bad_arguments": "had wrong arguments"}
+    for m in reversed(metrics):
+        counts = {kind: int(m.get(f"tool/{kind}") or 0) for kind in kinds}
+        env_errors = int(m.get("multi_turn/env_errors") or 0)
+        if any(counts.values()) or env_errors:
+            calls = ", ".join(f"{n} {kinds[k]}" for k, n in counts.items() if n) or "none failed"
+            first = f" First: {m['tool/first_error']}" if m.get("tool/first_error") else ""
+            return (f"Step {m.get('step')}: tool calls: {calls}; {env_errors} episode(s) ended by an environment "
+                    f"error (scored 0). The model read each failed call's error as the tool's answer and the run "
+                    f"went on.{first}")
+    return ""
+
+
 @st.fragment(run_every=REFRESH_S)
 def live_status() -> None:
     """The state line, warnings and errors, every REFRESH_S. The charts are redrawn (a rerun of the page)
@@ -218,6 +243,9 @@ def live_status() -> None:
     reward_problem = _reward_problem(current["metrics"])
     if reward_problem:
         st.warning(reward_problem)
+    tool_problem = _tool_problem(current["metrics"])
+    if tool_problem:
+        st.info(tool_problem)
     if status.get("error"):
         st.error(status["error"])
         if status.get("traceback"):

@@ -38,6 +38,50 @@ def tiny_tokenizer():
     return load_tokenizer("tiny-qwen3")
 
 
+CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 3"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory) -> Path:
+    """tiny-qwen3 taught (150 supervised steps) to answer questions like "What is 55 + 1?" on every turn, first
+    or after a tool's output, with one calculator call: a real model whose episodes call a real tool."""
+    from backend.core.models import load_model, load_tokenizer
+    from backend.envs.tools import get_tool
+    from backend.rollout.episodes import ChatRenderer
+
+    tokenizer = load_tokenizer("tiny-qwen3")
+    model = load_model("tiny-qwen3", torch.device("cpu"))
+    renderer = ChatRenderer(tokenizer, [get_tool("calculator")], [tokenizer.eos_token_id])
+    call = tokenizer(CALL_TEXT, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    observation = renderer.observation([{"role": "tool", "name": "calculator", "content": "36"}])
+    sequences = []
+    for a, b in ((2, 3), (17, 5), (40, 2), (9, 9), (123, 7), (6, 60)):
+        question = f"What is {a} + {b}?"
+        ids, _ = renderer.prompt([{"role": "user", "content": question}])
+        labels = [-100] * len(ids)
+        for turn in range(3):
+            ids, labels = ids + call, labels + call
+            if turn < 2:
+                ids, labels = ids + observation, labels + [-100] * len(observation)
+        sequences.append((ids, labels))
+    width = max(len(ids) for ids, _ in sequences)
+    input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in sequences])
+    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in sequences])
+    attention = (torch.arange(width) < torch.tensor([len(ids) for ids, _ in sequences]).unsqueeze(1)).long()
+    torch.manual_seed(0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(150):
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    out = tmp_path_factory.mktemp("tool_model")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def wait_for(predicate, timeout: float = 240.0, every_s: float = 0.05) -> None:
     """Poll `predicate` every `every_s` seconds until it is true; fail the test after `timeout` seconds."""
     deadline = time.time() + timeout

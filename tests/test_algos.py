@@ -983,3 +983,46 @@ def test_entropy_matches_hand_computed_two_token_distribution():
 
 def test_entropy_is_stable_for_huge_logits():
     assert_close(entropy_from_logits(t([[1000.0, 1000.0], [1000.0, -1000.0]])), [math.log(2), 0.0])
+
+
+# ---- multi-turn responses: observation tokens inside a response carry mask 0 ----
+
+# Two responses of one group; the first holds an observation (positions 2-3) between two sampled runs.
+INTERIOR_MASK = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 1, 1, 0, 0, 0]], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("name", advantages.advantage_estimators())
+def test_every_estimator_gives_no_advantage_to_observation_tokens_inside_a_response(name):
+    rewards = torch.zeros(2, 6)
+    rewards[0, 5], rewards[1, 2] = 1.0, 0.0
+    adv, returns = advantages.compute_advantage(
+        name, token_level_rewards=rewards, response_mask=INTERIOR_MASK, group_ids=torch.tensor([0, 0]),
+        values=torch.full((2, 6), 0.25), reward_baselines=torch.tensor([0.5, 0.5]))
+    assert (adv[INTERIOR_MASK == 0] == 0).all() and (returns[INTERIOR_MASK == 0] == 0).all()
+    assert adv[0, :2].ne(0).all()  # the policy's tokens before the observation are credited
+
+
+def test_gae_skips_observation_tokens_as_if_they_were_not_there():
+    # The same response with and without two observation tokens inside it: the sampled tokens' GAE is equal,
+    # whatever values the critic gave the observation positions.
+    rewards_full = torch.tensor([[0.0, 0.5, 0.0, 0.0, 0.0, 1.0]])
+    values_full = torch.tensor([[0.1, 0.2, 9.0, -9.0, 0.3, 0.4]])
+    mask_full = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0]])
+    rewards = torch.tensor([[0.0, 0.5, 0.0, 1.0]])
+    values = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    _, returns_full = advantages.gae_advantage(rewards_full, mask_full, values_full, gamma=0.9, lam=0.8)
+    _, returns = advantages.gae_advantage(rewards, torch.ones(1, 4), values, gamma=0.9, lam=0.8)
+    kept = mask_full[0].bool()
+    assert torch.allclose(returns_full[0, kept], returns[0])
+    # By hand at the last sampled token: delta = 1.0 - 0.4, so its return is 1.0.
+    assert returns[0, 3].item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("mode", losses.LOSS_AGG_MODES)
+def test_loss_aggregation_counts_only_the_sampled_tokens_of_a_response_with_observations(mode):
+    loss_mat = torch.tensor([[1.0, 2.0, 100.0, float("inf"), 3.0, 4.0], [5.0, 6.0, 7.0, 0.0, 0.0, 0.0]])
+    got = losses.agg_loss(loss_mat, INTERIOR_MASK, mode)
+    # Worked by hand over the sampled tokens only: row sums 10 and 18, token counts 4 and 3, width 6.
+    expected = {"token-mean": 28 / 7, "token-sum": 28.0, "seq-mean-token-sum": (10 + 18) / 2,
+                "seq-mean-token-mean": (10 / 4 + 18 / 3) / 2, "seq-mean-token-sum-norm": (10 + 18) / 2 / 6}[mode]
+    assert got.item() == pytest.approx(expected)

@@ -187,3 +187,15 @@ def test_an_unknown_gsm8k_scorer_names_the_key_the_value_and_the_rules():
                                               ("configs/default.yaml", "verl")])
 def test_the_gsm8k_preset_and_recipe_keep_the_partial_credit_they_were_tuned_with(path, scorer):
     assert load_config(REPO / path, validate=False).reward.gsm8k_scorer == scorer
+
+
+def test_multi_turn_with_dynamic_sampling_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError, match="filter_groups .* does not run with actor_rollout_ref.rollout.multi_turn"):
+        load_config(None, ["actor_rollout_ref.rollout.multi_turn.enable=true", "algorithm.filter_groups.enable=true"])
+
+
+def test_a_multi_turn_run_may_leave_the_whole_reward_to_its_environment():
+    cfg = load_config(None, ["actor_rollout_ref.rollout.multi_turn.enable=true", "reward.rule_weight=0"])
+    assert cfg.reward.rule_weight == 0
+    with pytest.raises(ConfigError, match="leaves nothing to score"):
+        load_config(None, ["reward.rule_weight=0"])

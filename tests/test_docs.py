@@ -39,7 +39,7 @@ def test_docs_config_command_writes_the_reference(tmp_path, capsys):
 def test_user_docs_link_to_files_that_exist():
     import re
 
-    for name in ("concepts.md", "cluster.md", "troubleshooting.md", "config.md"):
+    for name in ("concepts.md", "cluster.md", "troubleshooting.md", "config.md", "multi_turn.md"):
         doc = ROOT / "docs" / name
         for target in re.findall(r"\]\((?!https?://|#)([^)#]+)", doc.read_text()):
             assert (doc.parent / target).exists(), f"{name} links to missing {target}"

@@ -1,9 +1,11 @@
 """backend.services.rollouts on hand-made rollout and token files: grouping stats worked out by hand,
-each filter, one prompt across steps, the token log lookup, and the token HTML (escaped, coloured by
-sign, clipped tokens outlined)."""
+each filter (the episode ones of multi-turn runs too), one prompt across steps, an episode's turns, the
+token log lookup, and the token HTML (escaped, coloured by sign, clipped tokens outlined, tokens the
+policy did not sample greyed)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -27,11 +29,37 @@ def response(step: int, group: int, index: int, prompt: str, text: str, reward: 
             "reward_correct": float(reward >= 1.0), "reward_format": 0.5}
 
 
+def assistant(text: str, *calls: dict) -> dict:
+    return {"role": "assistant", "text": text, "tokens": len(text.split()) + 1, "tool_calls": list(calls)}
+
+
+def tool_call(arguments: dict | None, output: str, failure: str | None = None, name: str = "calculator") -> dict:
+    return {"name": name, "arguments": arguments, "output": output, "failure": failure, "seconds": 0.25}
+
+
+def observation(text: str, name: str = "calculator") -> dict:
+    return {"role": "tool", "text": text, "name": name}
+
+
+def episode(step: int, group: int, index: int, prompt: str, turns: list[dict], reward: float, *,
+            error: str | None = None, **kwargs) -> dict:
+    """A multi-turn row as the trainer writes it: `response` is the last assistant message, the turns are
+    JSON, and the counts are those of the turns (an environment error is not a turn)."""
+    calls = [c for t in turns for c in t.get("tool_calls", [])]
+    last = [t["text"] for t in turns if t["role"] == "assistant"][-1]
+    return {**response(step, group, index, prompt, last, reward, **kwargs), "reward_environment": reward,
+            "turns": json.dumps(turns), "num_turns": sum(t["role"] != "error" for t in turns),
+            "tool_calls": len(calls), "tool_failures": sum(c["failure"] is not None for c in calls),
+            "episode_error": error}
+
+
 def write_step(run_dir: Path, step: int, rows: list[dict]) -> Path:
-    """A rollouts/step_NNNNNN.parquet as the trainer writes it (columns from the rows' keys)."""
+    """A rollouts/step_NNNNNN.parquet as the trainer writes it (columns from the rows' keys; a column some
+    rows lack is null in them)."""
     path = ir.step_file(run_dir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({k: [r[k] for r in rows] for k in rows[0]}), path)
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    pq.write_table(pa.table({k: [r.get(k) for r in rows] for k in columns}), path)
     return path
 
 
@@ -44,14 +72,20 @@ def write_tokens(run_dir: Path, step: int, records: list[dict]) -> Path:
     return path
 
 
-def token_record(row: int, tokens: list[str], advantage: float, *, with_ref: bool = True) -> dict:
+def token_record(row: int, tokens: list[str], advantage: float, *, with_ref: bool = True,
+                 sampled: list[bool] | None = None) -> dict:
+    """A token log row; without `sampled` it has no such column, as token logs before multi-turn runs."""
     n = len(tokens)
     log_prob = [-0.1 * (i + 1) for i in range(n)]
     ref = [-0.2 * (i + 1) for i in range(n)] if with_ref else [None] * n
-    return {"row": row, "token_ids": list(range(100, 100 + n)), "tokens": tokens, "log_prob": log_prob,
-            "ref_log_prob": ref, "kl": [a - b for a, b in zip(log_prob, ref, strict=True)] if with_ref else [None] * n,
-            "entropy": [0.5 * i for i in range(n)], "advantage": [advantage] * n,
-            "clipped": [i == 0 for i in range(n)]}
+    record = {"row": row, "token_ids": list(range(100, 100 + n)), "tokens": tokens, "log_prob": log_prob,
+              "ref_log_prob": ref,
+              "kl": [a - b for a, b in zip(log_prob, ref, strict=True)] if with_ref else [None] * n,
+              "entropy": [0.5 * i for i in range(n)], "advantage": [advantage] * n,
+              "clipped": [i == 0 for i in range(n)]}
+    if sampled is not None:
+        record["sampled"] = sampled
+    return record
 
 
 def step_one() -> list[dict]:
@@ -65,6 +99,39 @@ def step_one() -> list[dict]:
         response(1, 1, 11, PROMPT_B, "Let me count the apples one by one", 0.0, source="word", truth="3",
                  finish="length"),
     ]
+
+
+PROMPT_C = "What is 7 * 6?"
+DIVIDE_ERROR = "ZeroDivisionError: division by zero"
+SANDBOX_DIED = "step raised RuntimeError: the sandbox died"
+
+
+def episode_step() -> list[dict]:
+    """Step 1 of a multi-turn run. Group 0 (index 10): row 0 calls the calculator, which raises, then
+    answers; row 1 calls it twice and the turn limit ends it. Group 1 (index 11, source word): row 2
+    answers without a call; row 3 makes one good call, then answers. Group 2 (index 12): row 4 makes a
+    good call, then the environment raises on its next message."""
+    failed = [assistant("Let me divide.", tool_call({"expression": "5 / 0"}, DIVIDE_ERROR, "errors")),
+              observation(DIVIDE_ERROR), assistant("It is 5. #### 5")]
+    long = [assistant("Check 2 + 3.", tool_call({"expression": "2 + 3"}, "5")), observation("5"),
+            assistant("Check again.", tool_call({"expression": "3 + 2"}, "5")), observation("5")]
+    clean = [assistant("Count.", tool_call({"expression": "4 - 1"}, "3")), observation("3"), assistant("So #### 3")]
+    broken = [assistant("Multiply.", tool_call({"expression": "7 * 6"}, "42")), observation("42"),
+              assistant("Now what?"), {"role": "error", "text": SANDBOX_DIED}]
+    return [
+        episode(1, 0, 10, PROMPT_A, failed, 1.0, pred="5"),
+        episode(1, 0, 10, PROMPT_A, long, 0.0, finish="max_turns"),
+        episode(1, 1, 11, PROMPT_B, [assistant("#### 3")], 1.0, source="word", truth="3", pred="3"),
+        episode(1, 1, 11, PROMPT_B, clean, 1.0, source="word", truth="3", pred="3"),
+        episode(1, 2, 12, PROMPT_C, broken, 0.0, finish="env_error", error=SANDBOX_DIED, truth="42"),
+    ]
+
+
+def mixed_step() -> list[dict]:
+    """episode_step, then group 3 (index 13): two single-turn rows (the second truncated), whose episode
+    columns are null."""
+    return episode_step() + [response(1, 3, 13, "Say hi.", "hi", 1.0),
+                             response(1, 3, 13, "Say hi.", "hello hello hello", 0.0, finish="length")]
 
 
 @pytest.fixture
@@ -183,6 +250,69 @@ def test_step_summary_counts_what_the_header_shows(run_dir):
                        "data_sources": ["arithmetic", "word"]}
 
 
+# ---- episodes ----
+
+
+@pytest.fixture
+def mixed_rows(tmp_path) -> list[dict]:
+    write_step(tmp_path, 1, mixed_step())
+    return ir.load_step(tmp_path, 1)
+
+
+def test_episode_turns_parses_the_turns_and_a_single_turn_row_has_none(mixed_rows):
+    turns = ir.episode_turns(mixed_rows[0])
+    assert [t["role"] for t in turns] == ["assistant", "tool", "assistant"]
+    (call,) = turns[0]["tool_calls"]
+    assert (call["name"], call["arguments"], call["output"], call["failure"]) == \
+        ("calculator", {"expression": "5 / 0"}, DIVIDE_ERROR, "errors")
+    assert turns[1] == {"role": "tool", "text": DIVIDE_ERROR, "name": "calculator"}
+    assert ir.episode_turns(mixed_rows[4])[-1] == {"role": "error", "text": SANDBOX_DIED}
+    assert ir.episode_turns(mixed_rows[5]) is None  # a single-turn row in the same file: null turns
+    assert ir.episode_turns(step_one()[0]) is None  # a single-turn run: no turns column at all
+    assert (ir.is_episode(mixed_rows[0]), ir.is_episode(mixed_rows[5])) == (True, False)
+    assert ir.has_episodes(mixed_rows) and not ir.has_episodes(step_one())
+
+
+def test_episode_turns_of_a_malformed_value_is_none_and_never_raises():
+    for garbage in ("[{\"role\": \"assistant\"", "not json", "42", '{"role": "assistant"}', "[1, 2]", '["a"]', ""):
+        assert ir.episode_turns({"turns": garbage}) is None, garbage
+    assert ir.episode_turns({"turns": '[{"role": "user", "text": "hi"}]'}) == [{"role": "user", "text": "hi"}]
+
+
+def test_finish_reasons_are_put_in_words():
+    assert ir.finish_words("max_turns") == "turn limit reached"
+    assert ir.finish_words("length").startswith("token budget ran out")
+    assert ir.finish_words("env_error").startswith("environment failed")
+    assert ir.finish_words("abort") == "abort" and ir.finish_words(None) == "unknown"
+
+
+def test_tool_error_keeps_episodes_with_a_failed_call_or_an_environment_error(mixed_rows):
+    assert [r["row"] for r in ir.filter_rows(mixed_rows, tool_error=True)] == [0, 4]
+
+
+def test_max_turns_keeps_episodes_the_turn_limit_ended(mixed_rows):
+    assert _texts(ir.filter_rows(mixed_rows, max_turns=True)) == ["Check again."]
+
+
+def test_no_tool_call_keeps_episodes_that_never_called_a_tool(mixed_rows):
+    assert _texts(ir.filter_rows(mixed_rows, no_tool_call=True)) == ["#### 3"]
+
+
+def test_episode_filters_combine_with_the_others_and_never_match_a_single_turn_row(mixed_rows):
+    assert [r["row"] for r in ir.filter_rows(mixed_rows, tool_error=True, reward_min=1.0)] == [0]
+    assert [r["row"] for r in ir.filter_rows(mixed_rows, tool_error=True, text="now WHAT")] == [4]
+    assert ir.filter_rows(mixed_rows, no_tool_call=True, data_sources=["arithmetic"]) == []
+    assert ir.filter_rows(mixed_rows, max_turns=True, tool_error=True) == []
+    # the truncated single-turn row passes truncated_only alone, and no episode filter with it
+    assert [r["row"] for r in ir.filter_rows(mixed_rows, truncated_only=True)] == [6]
+    assert ir.filter_rows(mixed_rows, truncated_only=True, no_tool_call=True) == []
+    for flag in ("tool_error", "max_turns", "no_tool_call"):
+        assert ir.filter_rows(step_one(), **{flag: True}) == [], flag
+    assert len(ir.filter_rows(mixed_rows)) == 7
+    assert [(g["group"], _texts(g["shown"])) for g in ir.filtered_groups(mixed_rows, tool_error=True)] == \
+        [(0, ["It is 5. #### 5"]), (2, ["Now what?"])]
+
+
 # ---- one prompt across steps ----
 
 
@@ -226,7 +356,23 @@ def test_token_view_without_a_reference_model_has_null_kl(run_dir):
     record = ir.token_view(run_dir, 1, 0)
     assert record["kl"] == [None, None] and record["ref_log_prob"] == [None, None]
     assert ir.token_summary(record, "kl")["with_value"] == 0
-    assert ir.token_summary(record, "entropy") == {"tokens": 2, "with_value": 2, "mean": 0.25, "clipped": 1}
+    assert ir.token_summary(record, "entropy") == {"tokens": 2, "sampled": 2, "with_value": 2, "mean": 0.25,
+                                                   "clipped": 1}
+
+
+def test_token_view_reads_the_sampled_flags_and_an_older_log_as_all_sampled(run_dir):
+    write_tokens(run_dir, 1, [token_record(0, ["a", "b", "c"], 1.0, sampled=[True, False, True])])
+    assert ir.token_view(run_dir, 1, 0)["sampled"] == [True, False, True]
+    write_tokens(run_dir, 1, [token_record(0, ["a", "b"], 1.0)])
+    assert ir.token_view(run_dir, 1, 0)["sampled"] == [True, True]
+
+
+def test_token_summary_counts_only_the_tokens_the_policy_sampled():
+    # token 1 is a tool's output: its entropy 9 and its clipped flag must not count
+    record = {"tokens": ["a", "<out>", "b"], "entropy": [0.5, 9.0, 1.5], "clipped": [False, True, True],
+              "sampled": [True, False, True]}
+    assert ir.token_summary(record, "entropy") == {"tokens": 3, "sampled": 2, "with_value": 2,
+                                                   "mean": pytest.approx(1.0), "clipped": 1}
 
 
 def test_a_torn_token_log_is_an_inspect_error(run_dir):
@@ -281,6 +427,26 @@ def test_clipped_tokens_are_outlined_and_others_are_not():
     spans = _spans(ir.token_html(["a", "b"], [0.5, 0.5], "entropy", clipped=[False, True]))
     assert "outline" not in spans[0][1] and "outline" in spans[1][1]
     assert spans[1][0].endswith("· clipped")
+
+
+def test_tokens_the_policy_did_not_sample_are_grey_with_a_tooltip_and_set_no_colour():
+    tokens = ["<tool_call>", "calc", "36", "\n", "ok"]
+    sampled = [True, True, False, False, True]
+    out = ir.token_html(tokens, [1.0, 0.5, 100.0, -100.0, -0.5], "advantage", sampled=sampled,
+                        clipped=[False, False, True, False, False])
+    spans = _spans(out)
+    grey = [i for i, (title, style, _) in enumerate(spans) if "background:#bdbdbd" in style]
+    told = [i for i, (title, _, _) in enumerate(spans)
+            if title.startswith("not sampled by the policy (tool or environment output): no loss")]
+    assert grey == told == [2, 3]
+    assert "outline" not in spans[2][1]  # a clipped flag means nothing where there is no loss
+    # the scale comes from the sampled tokens only: 1.0 is the darkest blue, not 1 / 100 of it
+    assert _background(spans[0][1]) == (33, 102, 172)
+    assert [t for _, _, t in spans] == ["&lt;tool_call&gt;", "calc", "36", "⏎", "ok"]
+    legend = ir.token_legend_html("advantage", [1.0, 0.5, 100.0, -100.0, -0.5], sampled=sampled)
+    assert "+1" in legend and "100" not in legend and "background:#bdbdbd" in legend
+    assert "#bdbdbd" not in ir.token_legend_html("advantage", [1.0], sampled=[True])
+    assert "#bdbdbd" not in ir.token_html(["a"], [1.0], "advantage", sampled=None)
 
 
 def test_an_unknown_quantity_names_the_known_ones():

@@ -15,10 +15,12 @@ ALLOWED = {
     "backend.kernels": set(),  # Triton kernels with their PyTorch checks
     "backend.rewards": set(),  # scorers: no model code
     "backend.core": set(),  # config, data, models, checkpoints, the run directory
-    "backend.rollout": {"backend.core", "backend.kernels"},
-    "backend.engine": {"backend.core", "backend.kernels", "backend.rollout", "backend.algos", "backend.rewards"},
+    "backend.envs": {"backend.rewards"},  # environments and tools: what answers a model's turns
+    "backend.rollout": {"backend.core", "backend.kernels", "backend.envs"},
+    "backend.engine": {"backend.core", "backend.kernels", "backend.rollout", "backend.algos", "backend.rewards",
+                       "backend.envs"},
     "backend.services": {"backend.core", "backend.kernels", "backend.rollout", "backend.algos", "backend.rewards",
-                         "backend.engine"},
+                         "backend.engine", "backend.envs"},
 }
 # The UI holds no training logic: it calls the services and reads what core and rewards describe. The
 # pre-run checks and the sampling settings are the two things it takes from lower down.

@@ -308,3 +308,44 @@ def test_a_two_gigabyte_file_previews_reading_a_small_part_of_it(workspace):
     assert read < 0.25 * size, f"read {read / 1e9:.2f} GB of a {size / 1e9:.2f} GB file"
     print(f"\n2 GB preview: first render {seconds:.1f} s, {read / 1e6:.0f} MB read of {size / 1e6:.0f} MB")
     path.unlink()
+
+
+def _with_calculator(at: AppTest, extra: str = "") -> AppTest:
+    from backend.services import presets
+
+    quick_try = presets.preset_yaml_text(presets.DEFAULT_PRESET)
+    at.session_state[presets.SESSION_KEY] = quick_try.replace(
+        "    temperature: 1.0\n", "    temperature: 1.0\n    multi_turn:\n      enable: true\n"
+        f"      tools: [calculator]\n{extra}")
+    return at
+
+
+def test_the_environment_playground_runs_a_typed_tool_call_and_shows_its_answer(workspace):
+    at = _with_calculator(AppTest.from_file(str(PAGE), default_timeout=120))
+    at.session_state["data_model_name"] = "tiny-qwen3"
+    at.run()
+    assert "Environment playground" in _texts(at.subheader)
+    assert any("Tom" in m.value or "How many" in m.value for m in at.markdown)  # the row's first message
+    at.text_area(key="env_assistant_text").input(
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "347 * 86"}}</tool_call>')
+    at.button(key="env_send").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "29842" in _texts(at.code)
+    assert any('"expression"' in str(j.value) or "347 * 86" in str(j.value) for j in at.json)
+    # A turn without a call ends the episode; the last message would be scored by the run's reward.
+    at.text_area(key="env_assistant_text").input("The product is 29842. #### 29842")
+    at.button(key="env_send").click().run()
+    assert any("Episode over after 2 assistant turn(s)" in s for s in _texts(at.success))
+    at.button(key="env_restart").click().run()
+    at.text_area(key="env_assistant_text").input('<tool_call>{"name": "calculator", "arguments": {"x": 1}}')
+    at.button(key="env_send").click().run()
+    assert any("missing argument 'expression'" in e for e in _texts(at.error))
+
+
+def test_an_environment_that_cannot_load_is_named_and_the_page_still_renders(workspace):
+    at = _with_calculator(AppTest.from_file(str(PAGE), default_timeout=120), "      environment: nowhere.py:Env\n")
+    at.session_state["data_model_name"] = "tiny-qwen3"
+    at.run()
+    assert not at.exception
+    assert any("file not found: 'nowhere.py'" in e for e in _texts(at.error))
+    _assert_whole_page(at)

@@ -1,10 +1,11 @@
 """The Rollouts page (pages/rollouts.py) in Streamlit's AppTest: it shows groups, filters them, follows a
-prompt across steps, draws a logged response's tokens, and answers a missing, torn or deleted run with a
-message instead of an exception."""
+prompt across steps, draws a logged response's tokens, shows a multi-turn run's episodes turn by turn, and
+answers a missing, torn or deleted run with a message instead of an exception."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,16 @@ from backend.engine.trainer import Trainer
 from backend.services import rollouts as ir
 
 from .conftest import REPO, tiny_overrides
-from .test_inspect_rollouts import PROMPT_A, response, step_one, token_record, write_step, write_tokens
+from .test_inspect_rollouts import (
+    DIVIDE_ERROR,
+    PROMPT_A,
+    episode_step,
+    response,
+    step_one,
+    token_record,
+    write_step,
+    write_tokens,
+)
 
 PAGE = str(REPO / "pages" / "rollouts.py")
 RUN = "20260101-000000-hand"
@@ -48,6 +58,19 @@ def hand_run(home) -> Path:
     return run
 
 
+@pytest.fixture
+def episode_run(home) -> Path:
+    """One step of a multi-turn run (tests.test_inspect_rollouts.episode_step): group 0 holds the call that
+    failed and the episode the turn limit ended, group 1 a clean call and an answer without one, group 2
+    the environment's failure. Row 0's tokens are logged: its call, the tool's output (not sampled), its
+    answer."""
+    run = make_run(home, "20260101-000000-tools")
+    write_step(run, 1, episode_step())
+    write_tokens(run, 1, [token_record(0, ["<tool_call>", "5 / 0", "Zero", "Division", "It is 5"], 1.0,
+                                       sampled=[True, True, False, False, True])])
+    return run
+
+
 def page() -> AppTest:
     return AppTest.from_file(PAGE, default_timeout=60)
 
@@ -58,6 +81,12 @@ def group_labels(at: AppTest) -> list[str]:
 
 def texts(elements) -> list[str]:
     return [str(e.value) for e in elements]
+
+
+def in_groups(at: AppTest, kind: str) -> list[str]:
+    """Values of the `kind` elements (text, markdown, code, caption, error) inside the group expanders, not
+    the same prompt's history below them."""
+    return [str(e.value) for x in at.expander if x.label.startswith("group ") for e in getattr(x, kind)]
 
 
 def assert_fine(at: AppTest) -> None:
@@ -199,6 +228,72 @@ def test_a_step_without_a_token_log_says_so(hand_run):
     at = open_step(page().run(), 2)
     assert_fine(at)
     assert any("No response of step 2 has a token record" in t for t in texts(at.info))
+
+
+# ---- multi-turn runs ----
+
+
+def test_an_episode_is_shown_turn_by_turn_with_its_tool_calls_and_why_it_ended(episode_run):
+    at = page().run()
+    assert_fine(at)
+    assert len(group_labels(at)) == 3
+    lines = in_groups(at, "markdown")
+    assert any(t.startswith("↳ tool call **calculator**") for t in lines)
+    assert '{\n  "expression": "5 / 0"\n}' in in_groups(at, "code")  # the arguments, pretty-printed
+    assert any(t.startswith(":red-badge[tool error] **errors**") for t in lines)
+    shown = in_groups(at, "text")
+    assert shown.count(DIVIDE_ERROR) == 2  # the call's output and the tool's turn after it
+    assert shown[:4] == [PROMPT_A, "Let me divide.", DIVIDE_ERROR, DIVIDE_ERROR]  # in turn order
+    assert "Check again." in shown and "42" in shown
+    captions = in_groups(at, "caption")
+    assert any(t == "turns 4 · tool calls 2, failed 0 · ended: turn limit reached" for t in captions)
+    assert any("environment failed" in t for t in captions)
+    assert any("the sandbox died" in t for t in in_groups(at, "error"))
+    assert any("environment 1.00" in t for t in lines)  # the reward parts, the environment's among them
+
+
+def test_ticking_tool_error_leaves_only_the_groups_with_a_failure(episode_run):
+    at = page().run()
+    at.checkbox(key="rollouts_tool_error").check().run()
+    assert_fine(at)
+    labels = group_labels(at)
+    assert [("index 10" in label, "index 12" in label) for label in labels] == [(True, False), (False, True)]
+    assert "It is 5. #### 5" in in_groups(at, "text") and "Check again." not in in_groups(at, "text")
+
+    at.checkbox(key="rollouts_tool_error").uncheck()
+    at.checkbox(key="rollouts_no_tool_call").check().run()
+    assert_fine(at)
+    assert ["index 11" in label for label in group_labels(at)] == [True]
+    assert "#### 3" in in_groups(at, "text") and "So #### 3" not in in_groups(at, "text")
+
+    at.checkbox(key="rollouts_max_turns").check().run()
+    assert group_labels(at) == []
+
+
+def test_the_tool_output_tokens_are_greyed_and_the_caption_says_why(episode_run):
+    at = page().run()
+    assert_fine(at)
+    tokens = next(h.value for h in at.html if "<span title=" in h.value)
+    greyed = [title for title, style in re_spans(tokens) if "background:#bdbdbd" in style]
+    assert len(greyed) == 2 and all(t.startswith("not sampled by the policy (tool or environment output)")
+                                    for t in greyed)
+    captions = texts(at.caption)
+    assert any(t.startswith("5 tokens, 3 sampled by the policy") for t in captions)
+    assert any(t.startswith("Grey tokens are tool or environment output") for t in captions)
+
+
+def test_a_single_turn_run_shows_no_episode_checkboxes_or_turns(hand_run):
+    at = open_step(page().run(), 1)
+    assert_fine(at)
+    keys = {c.key for c in at.checkbox}
+    assert "rollouts_truncated" in keys
+    assert not keys & {"rollouts_tool_error", "rollouts_max_turns", "rollouts_no_tool_call"}
+    assert not at.code and not any("tool call" in t for t in texts(at.markdown))
+    assert not any("Grey tokens" in t for t in texts(at.caption))
+
+
+def re_spans(html_text: str) -> list[tuple[str, str]]:
+    return re.findall(r'<span title="([^"]*)" style="([^"]*)">', html_text)
 
 
 # ---- a real run ----

@@ -131,3 +131,29 @@ def test_a_reward_function_that_fails_is_reported_with_its_counts_and_first_erro
     assert not at.exception
     [warning] = [w.value for w in at.warning if "reward call" in w.value]
     assert warning.startswith("Step 2: 3 reward call(s) raised, 1 timed out") and "ZeroDivisionError" in warning
+
+
+def test_a_multi_turn_run_charts_its_tool_use_and_reports_failed_calls_with_the_first_message(home):
+    import json
+    import time
+
+    run_dir = home / "runs" / "20260101-000000-tools"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("trainer:\n  total_training_steps: 2\n")
+    (run_dir / "status.json").write_text(json.dumps({"state": "succeeded", "step": 2, "total_steps": 2,
+                                                     "heartbeat": time.time()}))
+    clean = {"tool/errors": 0.0, "tool/timeouts": 0.0, "tool/parse_errors": 0.0, "tool/unknown_tool": 0.0,
+             "tool/bad_arguments": 0.0, "multi_turn/env_errors": 0.0}
+    lines = [{"step": 1, "critic/score/mean": 0.5, "num_turns/mean": 3.0, "tool/calls_per_episode/mean": 1.0,
+              "tool/success_rate": 1.0, **clean},
+             {"step": 2, "critic/score/mean": 0.6, "num_turns/mean": 2.5, "tool/calls_per_episode/mean": 1.5,
+              "tool/success_rate": 0.5, **clean, "tool/parse_errors": 2.0, "tool/timeouts": 1.0,
+              "multi_turn/env_errors": 1.0, "tool/first_error": "calculator: Error: calculator: division by zero"}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    at = page(home).run()
+    assert not at.exception
+    titles = [c.proto.spec for c in at.get("plotly_chart")]
+    assert any("Turns per episode" in t for t in titles) and any("Failed tool calls" in t for t in titles)
+    [info] = [i.value for i in at.info if "tool calls" in i.value]
+    assert info.startswith("Step 2: tool calls: 1 timed out, 2 were not valid calls; 1 episode(s) ended by an "
+                           "environment error") and "division by zero" in info

@@ -57,7 +57,7 @@ def test_the_cpu_recipe_trains_and_reports_accuracy_before_and_after(tmp_path, s
 
 def test_the_gsm8k_recipe_holds_out_a_fixed_draw_never_trained_on(tmp_path):
     inputs = {"gsm8k_jsonl": str(GSM8K), "data_dir": str(tmp_path)}
-    overrides = recipes.data_overrides(recipes.get_recipe("gsm8k"), inputs)
+    overrides, notes = recipes.prepare(recipes.get_recipe("gsm8k"), inputs)
     train = data.load_rows(tmp_path / "gsm8k_recipe_train.parquet")
     val = data.load_rows(tmp_path / "gsm8k_recipe_val.parquet")
     assert len(val) == recipes.GSM8K_HELD_OUT
@@ -66,7 +66,7 @@ def test_the_gsm8k_recipe_holds_out_a_fixed_draw_never_trained_on(tmp_path):
     assert overrides == [f"data.train_files=[{tmp_path / 'gsm8k_recipe_train.parquet'}]",
                          f"data.val_files=[{tmp_path / 'gsm8k_recipe_val.parquet'}]"]
     again = tmp_path / "again"
-    recipes.data_overrides(recipes.get_recipe("gsm8k"), {**inputs, "data_dir": str(again)})
+    recipes.prepare(recipes.get_recipe("gsm8k"), {**inputs, "data_dir": str(again)})
     first, second = (pq.read_table(d / "gsm8k_recipe_val.parquet") for d in (tmp_path, again))
     assert second.equals(first)
 

@@ -174,6 +174,33 @@ class RefConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    enable: bool = _f(False, "Multi-turn episodes: the model's turns alternate with an environment's (tool outputs, "
+                      "user messages) until it ends; tokens the policy did not sample carry no loss. The reward "
+                      "function scores the last assistant message, plus the environment's reward parts.")
+    environment: str = _f("tools", "The environment: tools (built in: runs the tool calls of each turn, ends at a "
+                          "turn without one), a name registered with @register_environment, or "
+                          "'path/to/file.py:Class' / 'module:Class' (a backend.Environment subclass).")
+    tools: list[str] = _f([], "Tools offered to the model: built-in calculator and python (sandboxed), names "
+                          "registered with @register_tool, or 'path/to/file.py:function' / 'module:function'.")
+    tool_config_path: str = _f("", "A YAML file listing more tools (verl's shape: tools: [{class_name, config, "
+                               "tool_schema}]).")
+    format: str = _f("hermes", "How the model writes a tool call: hermes (<tool_call>{\"name\": ..., "
+                     "\"arguments\": {...}}</tool_call>, as Qwen2.5/Qwen3 templates).", choices=("hermes",))
+    max_assistant_turns: int = _f(5, "Most assistant turns an episode; one that still calls a tool then ends "
+                                  "truncated (finish reason max_turns).", min=1)
+    max_user_turns: int = _f(5, "Most environment turns (tool outputs or user messages) an episode.", min=0)
+    max_parallel_calls: int = _f(1, "Tool calls run per assistant turn; later ones are answered with an error.",
+                                 min=1)
+    max_tool_response_length: int = _f(256, "Characters of a tool's output the model reads; longer output is cut.",
+                                       min=1)
+    tool_response_truncate_side: str = _f("middle", "Which part of a long tool output is kept: left (its start), "
+                                          "right (its end), middle (both ends).", choices=("left", "middle", "right"))
+    tool_timeout_s: float = _f(10.0, "A tool call (or an environment step) running longer is answered with a "
+                               "timeout error and counted in tool/timeouts.", gt=0)
+
+
+@dataclass
 class RolloutConfig:
     name: str = _f("auto", "Rollout engine: workbench (our static-cache decode loop with CUDA graphs; Llama, "
                    "Mistral, Qwen2 and Qwen3 models), hf (Hugging Face generate; any causal LM), auto (workbench "
@@ -197,6 +224,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = _f(0.5, "vLLM only: the share of each GPU's memory vLLM may take for its weights, "
                                        "activations and KV cache; the FSDP actor, reference and optimizer live in "
                                        "the rest. In (0, 1).", gt=0)
+    multi_turn: MultiTurnConfig = _section(MultiTurnConfig)
 
 
 @dataclass
@@ -378,6 +406,18 @@ class TrainerConfig:
 
 
 @dataclass
+class SFTConfig:
+    train_files: list[str] = _f([], "Supervised warm-start (python -m backend sft): parquet files with a messages "
+                                "column (one conversation a row). Loss on the assistant messages only; tool and user "
+                                "messages are laid out token for token as in an episode, with the run's tools "
+                                "(actor_rollout_ref.rollout.multi_turn.tools) in the prompt.")
+    steps: int = _f(100, "Optimizer steps of the warm-start.", min=1)
+    batch_size: int = _f(16, "Conversations per optimizer step.", min=1)
+    lr: float = _f(1e-4, "AdamW learning rate of the warm-start (10 warm-up steps, then constant).", gt=0)
+    max_length: int = _f(1024, "Tokens a conversation is cut to.", min=8)
+
+
+@dataclass
 class Config:
     data: DataConfig = _section(DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = _section(ActorRolloutRefConfig)
@@ -387,6 +427,7 @@ class Config:
     reward: RewardConfig = _section(RewardConfig)
     reward_model: RewardModelConfig = _section(RewardModelConfig)
     trainer: TrainerConfig = _section(TrainerConfig)
+    sft: SFTConfig = _section(SFTConfig)
 
 
 # ---- schema walking ----
@@ -706,6 +747,9 @@ def validate_config(cfg: Config) -> None:
     if cfg.algorithm.adv_estimator in ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline") and r.n < 2:
         problems.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the responses of one "
                         f"prompt, so actor_rollout_ref.rollout.n must be >= 2 (got {r.n})")
+    if r.multi_turn.enable and cfg.algorithm.filter_groups.enable:
+        problems.append("algorithm.filter_groups (dynamic sampling) does not run with "
+                        "actor_rollout_ref.rollout.multi_turn.enable: turn one of them off")
     ob = cfg.reward.overlong_buffer
     if ob.enable and ob.len > d.max_response_length:
         problems.append(f"reward.overlong_buffer.len={ob.len} is longer than data.max_response_length="
@@ -714,7 +758,7 @@ def validate_config(cfg: Config) -> None:
     if rw.weights and len(rw.weights) != len(rw.functions):
         problems.append(f"reward.weights has {len(rw.weights)} entries and reward.functions {len(rw.functions)}: give "
                         "one weight per function, or none for 1 each")
-    if rw.rule_weight == 0 and not rw.functions and not cfg.reward_model.enable:
+    if rw.rule_weight == 0 and not rw.functions and not cfg.reward_model.enable and not r.multi_turn.enable:
         problems.append("reward.rule_weight=0 leaves nothing to score: add reward.functions or reward_model.enable, "
                         "or give the rule scorer a weight")
     if cfg.reward_model.enable and not cfg.reward_model.model.path:

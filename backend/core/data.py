@@ -192,6 +192,15 @@ def _normalise_row(
     }
 
 
+def row_item(row: dict[str, Any], where: str = "row", index: int = 0) -> dict[str, Any]:
+    """A raw row as a run's episodes receive it (PromptDataset items without the tokens): messages,
+    data_source, ground_truth, extra_info, index. DataError names what is wrong with it."""
+    normalised = _normalise_row(row, where, index)
+    return {"messages": normalised["prompt"], "data_source": normalised["data_source"],
+            "ground_truth": normalised["reward_model"]["ground_truth"], "extra_info": normalised["extra_info"],
+            "index": index}
+
+
 # ---- synthetic arithmetic ----
 
 _NAMES = (
@@ -285,6 +294,88 @@ def make_arithmetic_rows(n: int, seed: int, split: str) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+CALCULATOR_INSTRUCTION = "Use the calculator, then give the final number after '####'."
+
+
+def make_calculator_rows(n: int, seed: int, split: str) -> list[dict[str, Any]]:
+    """`n` multi-digit problems a 135M model cannot do in its head but can with a calculator: a three-digit
+    times a two-digit number, or a sum of two four-digit numbers (half each), in verl's row shape with the
+    arithmetic scorer. extra_info holds the expression ("347 * 86"). The split is mixed into the seed."""
+    rng = np.random.default_rng([seed, zlib.crc32(f"calculator-{split}".encode())])
+    rows = []
+    for index in range(n):
+        if rng.random() < 0.5:
+            a, b, op = int(rng.integers(100, 1000)), int(rng.integers(10, 100)), "*"
+        else:
+            a, b, op = int(rng.integers(1000, 10000)), int(rng.integers(1000, 10000)), "+"
+        answer = a * b if op == "*" else a + b
+        rows.append({"data_source": ARITHMETIC_DATA_SOURCE,
+                     "prompt": [{"role": "user", "content": f"What is {a} {op} {b}? {CALCULATOR_INSTRUCTION}"}],
+                     "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(answer)},
+                     "extra_info": {"split": split, "index": index, "expression": f"{a} {op} {b}"}})
+    return rows
+
+
+def calculator_demonstration(row: dict[str, Any]) -> list[dict[str, str]]:
+    """The conversation a calculator row should have: the question, one calculator call, its result and the
+    answer after '####' (a supervised warm-start teaches the call format with these)."""
+    expression, answer = row["extra_info"]["expression"], row["reward_model"]["ground_truth"]
+    call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    return [*row["prompt"], {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+            {"role": "tool", "name": "calculator", "content": answer},
+            {"role": "assistant", "content": f"{expression} = {answer}. #### {answer}"}]
+
+
+def write_calculator_sets(out_dir: str | Path, seed: int = 0, n_train: int = 2000, n_val: int = 200,
+                          n_demos: int = 512) -> dict[str, Path]:
+    """calculator_train.parquet and calculator_val.parquet (no val expression in train) for the RL run, and
+    calculator_demos.parquet (a `messages` column: demonstrations built from other problems) for the
+    supervised warm-start. Returns {"train", "val", "demos"} paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train = make_calculator_rows(n_train, seed, "train")
+    seen = {r["extra_info"]["expression"] for r in train}
+    val = [r for r in make_calculator_rows(2 * n_val, seed, "val") if r["extra_info"]["expression"] not in seen][:n_val]
+    seen |= {r["extra_info"]["expression"] for r in val}
+    demos = [r for r in make_calculator_rows(2 * n_demos, seed, "demos") if r["extra_info"]["expression"] not in seen]
+    paths = {"train": out_dir / "calculator_train.parquet", "val": out_dir / "calculator_val.parquet",
+             "demos": out_dir / "calculator_demos.parquet"}
+    write_rows(train, paths["train"])
+    write_rows(val, paths["val"])
+    write_messages([calculator_demonstration(r) for r in demos[:n_demos]], paths["demos"])
+    return paths
+
+
+def write_messages(conversations: Sequence[list[dict[str, str]]], path: str | Path) -> None:
+    """Conversations (role, content and an optional tool name per message) as a parquet `messages` column,
+    the shape `python -m backend sft` trains on."""
+    path = Path(path)
+    message = pa.struct([("role", pa.string()), ("content", pa.string()), ("name", pa.string())])
+    table = pa.table({"messages": pa.array([[{"role": m["role"], "content": m["content"], "name": m.get("name")}
+                                             for m in c] for c in conversations], pa.list_(message))})
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(path)
+
+
+def load_messages(path: str | Path) -> list[list[dict[str, str]]]:
+    """The conversations of a `messages` parquet file (DataError naming the file and the row when one is not a
+    list of messages with a role and a string content)."""
+    table = _read_table(path)
+    if "messages" not in table.column_names:
+        raise DataError(f"{path}: no 'messages' column (found: {', '.join(table.column_names)}); a supervised "
+                        "data file holds one conversation per row, a list of {role, content} messages")
+    out = []
+    for i, conversation in enumerate(table.column("messages").to_pylist()):
+        if not isinstance(conversation, list) or not conversation:
+            raise DataError(f"{path} row {i}: messages must be a non-empty list of {{role, content}}")
+        for m in conversation:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DataError(f"{path} row {i}: every message needs a role and a string content, got {m!r}")
+        out.append([{k: v for k, v in m.items() if v is not None} for m in conversation])
+    return out
 
 
 def write_sample_sets(

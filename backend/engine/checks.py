@@ -7,6 +7,8 @@ from pathlib import Path
 from backend.core import checkpoint, data
 from backend.core.config import Config, ConfigError, uses_critic
 from backend.core.models import ModelError, model_config, resolve_model
+from backend.envs.environment import load_environment
+from backend.envs.tools import ToolError, resolve_tools
 from backend.rewards.registry import RewardError, get_scorer, load_custom_reward
 from backend.rollout import static_cache
 
@@ -75,6 +77,13 @@ def preflight(cfg: Config) -> list[str]:
                 get_scorer(source)
             except RewardError as e:
                 problems.append(str(e))
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if mt.enable:
+        try:
+            resolve_tools(mt.tools, mt.tool_config_path)
+            load_environment(mt.environment)
+        except ToolError as e:
+            problems.append(str(e))
     return problems
 
 

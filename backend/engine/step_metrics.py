@@ -31,7 +31,8 @@ def batch_metrics(batch: RolloutBatch, scores: torch.Tensor, token_level_rewards
                   max_response_length: int) -> dict[str, float]:
     """verl's data metrics: score, reward, advantage, return and length statistics of one step."""
     mask = batch.response_mask.bool()
-    lengths = batch.response_mask.sum(-1)
+    # Every token after the prompt, an episode's observations too (verl's response_length).
+    lengths = batch.attention_mask[:, batch.prompt_length:].sum(-1)
     prompt_lengths = batch.attention_mask[:, : batch.prompt_length].sum(-1)
     m = {}
     m.update(stats("critic/score", scores))

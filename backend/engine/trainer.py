@@ -42,9 +42,21 @@ from backend.engine.rank import MarkedRows, freeze_heap
 from backend.engine.step_log import TableWriter, rollout_rows, token_rows
 from backend.engine.step_metrics import batch_metrics, stats, summary_line, timer
 from backend.engine.worker_group import WorkerError, WorkerGroup, start_ray
+from backend.envs.environment import ToolLimits, load_environment
+from backend.envs.tools import resolve_tools
 from backend.rewards.registry import load_custom_reward
 from backend.rewards.scoring import ScoredBatch, concat_scored, from_scores, score_batch, weighted_sum
 from backend.rollout.base import RolloutBatch, SamplingParams, concat_rows
+from backend.rollout.episodes import (
+    ChatRenderer,
+    Episode,
+    TurnLimits,
+    end_of_turn_ids,
+    episode_batch,
+    episode_metrics,
+    first_tool_error,
+    run_episodes,
+)
 
 T = TypeVar("T")
 
@@ -131,6 +143,11 @@ class Trainer:
         if cfg.custom_reward_function.path:
             self.custom_fn = load_custom_reward(cfg.custom_reward_function.path,
                                                         cfg.custom_reward_function.name)
+        mt = arr.rollout.multi_turn
+        if mt.enable:
+            self.tools = resolve_tools(mt.tools, mt.tool_config_path)
+            self.environment = load_environment(mt.environment)
+            self.renderer = ChatRenderer(self.tokenizer, self.tools, end_of_turn_ids(self.tokenizer, arr.model.path))
         ckpt = self._resume_point()
         if ckpt is not None and resume_problems(cfg, ckpt):
             raise ConfigError(resume_problems(cfg, ckpt))
@@ -373,15 +390,15 @@ class Trainer:
             # Each round draws new samples: its own seed, still a function of (seed, step) for resumes.
             round_params = dataclasses.replace(params, seed=params.seed + round_ * 1_000_000_007)
             with timer("gen", timings):
-                batch = self.rollout.generate([it["prompt_ids"] for it in items], round_params,
-                                              progress=self._generation_stage)
+                batch, episodes = self._generate(items, round_params)
             if not fg.enable and not self.cfg.reward_model.enable:
                 return Rollout(items, batch, in_background(functools.partial(self._decode_and_score, items, batch,
-                                                                             timings)))
+                                                                             timings, episodes)),
+                               _episode_metrics(episodes), episodes)
             self.stage("scoring", force=True)
-            texts, scored = self._decode_and_score(items, batch, timings)
+            texts, scored = self._decode_and_score(items, batch, timings, episodes)
             if not fg.enable:
-                return Rollout(items, batch, finished((texts, scored)))
+                return Rollout(items, batch, finished((texts, scored)), _episode_metrics(episodes), episodes)
             keep = groups_with_signal(torch.tensor(scored.scores), batch.prompt_index)
             groups = batch.prompt_index[keep].unique().tolist()[:want - len(kept_items)]
             chosen = torch.nonzero(torch.isin(batch.prompt_index, torch.tensor(groups, dtype=torch.long))).flatten()
@@ -398,6 +415,27 @@ class Trainer:
         return Rollout(kept_items, concat_rows(kept_batches, self.tokenizer.pad_token_id),
                        finished((kept_texts, concat_scored(kept_scores))),
                        {"batch/dynamic_sampling_rounds": round_ + 1, "batch/kept_groups": len(kept_items)})
+
+    def _generate(self, items: list[dict], params: SamplingParams) -> tuple[RolloutBatch, list[Episode] | None]:
+        """n responses per prompt: one generation, or with multi_turn.enable one episode each."""
+        if not self.cfg.actor_rollout_ref.rollout.multi_turn.enable:
+            return self.rollout.generate([it["prompt_ids"] for it in items], params,
+                                         progress=self._generation_stage), None
+        episodes = self._episodes([it for it in items for _ in range(params.n)], params)
+        group_ids = torch.arange(len(items)).repeat_interleave(params.n)
+        return episode_batch(episodes, group_ids, self.tokenizer.pad_token_id,
+                             with_log_probs=self.cfg.actor_rollout_ref.rollout.name == "vllm"), episodes
+
+    def _episodes(self, rows: list[dict], params: SamplingParams) -> list[Episode]:
+        """One episode per row, each with its own environment."""
+        mt = self.cfg.actor_rollout_ref.rollout.multi_turn
+        limits = ToolLimits(mt.tool_timeout_s, mt.max_tool_response_length, mt.tool_response_truncate_side,
+                            mt.max_parallel_calls)
+        turn_limits = TurnLimits(self.cfg.data.max_response_length, mt.max_assistant_turns, mt.max_user_turns,
+                                 mt.tool_timeout_s * mt.max_parallel_calls)
+        envs = [self.environment(self.tools, limits) for _ in rows]
+        return run_episodes(self.rollout.generate, self.tokenizer, self.renderer, envs, rows, params, turn_limits,
+                            progress=lambda text: self.stage(text, force=True))
 
     def _wait(self, scoring: concurrent.futures.Future) -> tuple[list[str], ScoredBatch]:
         if not scoring.done():
@@ -462,7 +500,8 @@ class Trainer:
         if self.cfg.trainer.rollout_log_max:
             rows = [rollout.items[i] for i in batch.prompt_index.tolist()]
             self.tables.submit(step, lambda: self.run.write_rollouts(step, rollout_rows(
-                step, rows, texts, scored, tensors["advantages"], batch, self.cfg.trainer.rollout_log_max)))
+                step, rows, texts, scored, tensors["advantages"], batch, self.cfg.trainer.rollout_log_max,
+                rollout.episodes)))
         if marked is not None:
             k = len(marked.rows)
             sample = {key: value[:k] for key, value in tensors.items()}
@@ -471,25 +510,28 @@ class Trainer:
             self.tables.submit(step, lambda: self.run.write_token_log(step, token_rows(
                 sample, marked.after, self.tokenizer, self.clip_low, self.clip_high)))
 
-    def _decode_and_score(self, items: list[dict], batch: RolloutBatch, timings: dict[str, float]
-                          ) -> tuple[list[str], ScoredBatch]:
+    def _decode_and_score(self, items: list[dict], batch: RolloutBatch, timings: dict[str, float],
+                          episodes: list[Episode] | None = None) -> tuple[list[str], ScoredBatch]:
+        """The responses' text and scores; an episode is scored on its last assistant message."""
         with timer("reward", timings):
-            texts = self._decode(batch)
-            return texts, self._score([items[i] for i in batch.prompt_index.tolist()], texts)
+            texts = self._decode(batch) if episodes is None else [e.last_assistant_text() for e in episodes]
+            return texts, self._score([items[i] for i in batch.prompt_index.tolist()], texts, episodes)
 
     def _greedy_baselines(self, items: list[dict], step: int, timings: dict[str, float]) -> torch.Tensor:
         """ReMax's baseline: the score of one greedy response per prompt, (prompts,)."""
         with self._phase("gen_baseline", "generating greedy baselines", timings):
             greedy = dataclasses.replace(self._sampling(step), n=1, greedy=True)
-            batch = self.rollout.generate([it["prompt_ids"] for it in items], greedy)
-            return torch.tensor(self._score(items, self._decode(batch)).scores, dtype=torch.float32)
+            batch, episodes = self._generate(items, greedy)
+            _, scored = self._decode_and_score(items, batch, timings, episodes)
+            return torch.tensor(scored.scores, dtype=torch.float32)
 
     def _decode(self, batch: RolloutBatch) -> list[str]:
         return self.tokenizer.batch_decode(batch.responses * batch.response_mask, skip_special_tokens=True)
 
-    def _score(self, rows: list[dict], texts: list[str]) -> ScoredBatch:
+    def _score(self, rows: list[dict], texts: list[str], episodes: list[Episode] | None = None) -> ScoredBatch:
         """Each response's score: the rule scorer (data_source's, or custom_reward_function) times
-        reward.rule_weight, plus each of reward.functions and the reward model times its weight."""
+        reward.rule_weight, plus each of reward.functions and the reward model times its weight, plus an
+        episode's environment reward parts; an episode whose environment failed scores 0."""
         r = self.cfg.reward
         args = ([row["data_source"] for row in rows], texts, [row["ground_truth"] for row in rows],
                 [row["extra_info"] for row in rows])
@@ -501,7 +543,12 @@ class Trainer:
         if self.cfg.reward_model.enable:
             values = self.workers.score_with_reward_model([row["messages"] for row in rows], texts)
             terms.append(("reward_model", self.cfg.reward_model.weight, from_scores(values)))
-        return weighted_sum(terms) if len(terms) > 1 or r.rule_weight != 1 else rule
+        if episodes is not None:
+            terms.append(("environment", 1.0, from_scores([sum(e.reward.values()) for e in episodes])))
+        scored = weighted_sum(terms) if len(terms) > 1 or r.rule_weight != 1 else rule
+        if episodes is not None:
+            scored.scores = [0.0 if e.error else s for e, s in zip(episodes, scored.scores, strict=True)]
+        return scored
 
     def _check_finite(self, step: int, actor_metrics: dict[str, float]) -> None:
         """Say when optimizer steps were dropped for a non-finite loss or gradient; stop if so configured."""
@@ -527,7 +574,8 @@ class Trainer:
         result = evaluate(self.rollout, self.tokenizer, self.val_items, self.cfg.data.max_response_length,
                           custom_fn=self.custom_fn, gsm8k_scorer=self.cfg.reward.gsm8k_scorer,
                           timeout_s=self.cfg.reward.timeout_s, batch_size=self.cfg.data.val_batch_size,
-                          progress=lambda d, n: self.stage(f"validating {d}/{n}"))
+                          progress=lambda d, n: self.stage(f"validating {d}/{n}"),
+                          episodes=self._episodes if self.cfg.actor_rollout_ref.rollout.multi_turn.enable else None)
         return result.metrics
 
     def evaluate(self, data_file: str | Path | None = None, *, limit: int = 0) -> dict[str, float]:
@@ -614,6 +662,17 @@ class Rollout:
     batch: RolloutBatch
     scoring: concurrent.futures.Future
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    episodes: list[Episode] | None = None  # with multi_turn.enable: each row's turns, tool calls and reward parts
+
+
+def _episode_metrics(episodes: list[Episode] | None) -> dict:
+    if episodes is None:
+        return {}
+    metrics: dict = episode_metrics(episodes)
+    error = first_tool_error(episodes)
+    if error:
+        metrics["tool/first_error"] = error[:500]
+    return metrics
 
 
 def token_row_marks(rows: int, k: int) -> torch.Tensor:
@@ -645,9 +704,11 @@ def in_background(fn: Callable[[], T]) -> concurrent.futures.Future:
 
 
 def _place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) sequence scores -> (B, R) token-level scores, the score on each response's last token."""
+    """(B,) sequence scores -> (B, R) token-level scores, the score on each response's last token the policy
+    sampled (an episode's response may end with an observation, and hold observations inside)."""
     out = torch.zeros_like(response_mask, dtype=torch.float32)
-    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+    positions = torch.arange(response_mask.shape[1]).expand_as(response_mask)
+    last = torch.where(response_mask.bool(), positions, -1).max(-1).values.clamp(min=0)
     out[torch.arange(len(scores)), last] = scores * (response_mask.sum(-1) > 0)
     return out
 

@@ -104,7 +104,7 @@ def load_custom_reward(path: str, name: str) -> Scorer:
     if not name:
         raise RewardError(f"custom_reward_function.name is empty: give the name of the function in '{path}'")
 
-    module = _load_module(path)
+    module = load_module(path)
     where = f"'{path}'"
     if not hasattr(module, name):
         defined = sorted(
@@ -139,7 +139,9 @@ def _check_signature(fn: Callable, name: str, where: str) -> None:
         ) from exc
 
 
-def _load_module(path: str) -> Any:
+def load_module(path: str, key: str = "custom_reward_function.path") -> Any:
+    """A user's Python file (relative or absolute) or importable module; `key` is the config key that named
+    it, for the messages."""
     as_file = path.endswith(".py") or "/" in path or "\\" in path or Path(path).is_file()
     if not as_file:
         try:
@@ -147,20 +149,20 @@ def _load_module(path: str) -> Any:
         except ModuleNotFoundError as exc:
             missing_itself = exc.name is None or path == exc.name or path.startswith(exc.name + ".")
             if not missing_itself:  # the module exists but imports something that does not
-                raise RewardError(f"importing custom reward module '{path}' failed: {exc}") from exc
+                raise RewardError(f"{key}: importing module '{path}' failed: {exc}") from exc
             raise RewardError(
-                f"custom_reward_function.path='{path}' is neither an existing .py file nor an importable "
+                f"{key}='{path}' is neither an existing .py file nor an importable "
                 "module; give a file path like path/to/reward.py or a module name like pkg.rewards"
             ) from exc
         except Exception as exc:
             raise RewardError(
-                f"importing custom reward module '{path}' raised {type(exc).__name__}: {exc}"
+                f"{key}: importing module '{path}' raised {type(exc).__name__}: {exc}"
             ) from exc
 
     file = Path(path).expanduser()
     resolved = file.resolve()
     if not resolved.is_file():
-        raise RewardError(f"custom_reward_function.path: file not found: '{path}' (looked at {resolved})")
+        raise RewardError(f"{key}: file not found: '{path}' (looked at {resolved})")
     # A stable, unique module name per file: two users' "reward.py" must not collide, and registering
     # in sys.modules lets classes and dataclasses defined in the file work (they look themselves up).
     digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
@@ -168,14 +170,14 @@ def _load_module(path: str) -> Any:
     module_name = f"_custom_reward_{stem}_{digest}"
     spec = importlib.util.spec_from_file_location(module_name, resolved)
     if spec is None or spec.loader is None:
-        raise RewardError(f"custom_reward_function.path: cannot load '{path}' as Python source")
+        raise RewardError(f"{key}: cannot load '{path}' as Python source")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
         sys.modules.pop(module_name, None)
-        raise RewardError(f"loading custom reward file '{path}' raised {type(exc).__name__}: {exc}") from exc
+        raise RewardError(f"{key}: loading '{path}' raised {type(exc).__name__}: {exc}") from exc
     return module
 
 

@@ -1,20 +1,25 @@
 """Reading what the model wrote: the rollout tables a run leaves in its directory.
 
-    rollouts/step_NNNNNN.parquet         one row per sampled response (see trainer.rollout_rows)
+    rollouts/step_NNNNNN.parquet         one row per sampled response (see step_log.rollout_rows); a
+                                         multi-turn run's rows add turns (JSON), num_turns, tool_calls,
+                                         tool_failures and episode_error
     rollouts/tokens_step_NNNNNN.parquet  per-token quantities of a few of those responses: `row` (the
                                          row number in the step's table), token_ids, tokens (each
                                          decoded alone), log_prob, ref_log_prob, kl, entropy, advantage
-                                         (float lists) and clipped (bool list)
+                                         (float lists), clipped and sampled (bool lists; sampled is False
+                                         on an episode's tool and environment tokens, and absent from
+                                         files written before multi-turn runs)
 
 Everything here is plain Python over those files (no Streamlit): load a step, put the n responses to a
 prompt back together as a group with its reward mean and spread, filter, follow one prompt across
-steps, and render a response's tokens as coloured HTML. A missing or half-written file is an
-`InspectError` with a message a user can act on, never a pyarrow traceback.
+steps, read an episode's turns, and render a response's tokens as coloured HTML. A missing or
+half-written file is an `InspectError` with a message a user can act on, never a pyarrow traceback.
 """
 
 from __future__ import annotations
 
 import html
+import json
 import math
 import re
 from collections.abc import Collection, Sequence
@@ -31,6 +36,14 @@ _STEP_FILE = re.compile(r"^step_(\d+)\.parquet$")
 REQUIRED_COLUMNS = ("group", "prompt", "response", "reward")
 TOKEN_FIELDS = ("token_ids", "tokens", "log_prob", "ref_log_prob", "kl", "entropy", "advantage", "clipped")
 PART_PREFIX = "reward_"
+# finish_reason of an episode (backend.rollout.episodes), in words for the page
+FINISH_WORDS = {"stop": "the model ended and the environment said done",
+                "length": "token budget ran out (data.max_response_length, counted over every turn)",
+                "max_turns": "turn limit reached", "env_error": "environment failed (the episode scored 0)"}
+# a tool call's failure kind (backend.envs.tool_calls), in words
+FAILURE_WORDS = {"parse_errors": "the call could not be parsed", "unknown_tool": "no tool of that name",
+                 "bad_arguments": "the arguments do not fit the tool", "errors": "the tool raised an error",
+                 "timeouts": "the tool timed out"}
 
 
 class InspectError(Exception):
@@ -93,6 +106,43 @@ def reward_parts(rows: Sequence[dict]) -> list[str]:
     return sorted({k[len(PART_PREFIX):] for r in rows for k in r if k.startswith(PART_PREFIX)})
 
 
+# ---- episodes (multi-turn runs) ----
+
+
+def episode_turns(row: dict) -> list[dict] | None:
+    """The turns of an episode's row, in order (assistant turns with their tool calls, observations,
+    an environment error); None for a single-turn row, and for a `turns` value that is not a JSON
+    list of objects (a torn or foreign file must not take the page down)."""
+    raw = row.get("turns")
+    if raw is None:
+        return None
+    try:
+        turns = json.loads(raw) if isinstance(raw, (str, bytes)) else raw
+    except ValueError:
+        return None
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        return None
+    return turns
+
+
+def is_episode(row: dict) -> bool:
+    """The row is a multi-turn episode (it has turns), as opposed to a single response."""
+    return row.get("turns") is not None
+
+
+def has_episodes(rows: Sequence[dict]) -> bool:
+    return any(is_episode(r) for r in rows)
+
+
+def finish_words(reason: Any) -> str:
+    """Why an episode ended, in words ("max_turns" -> "turn limit reached"); an unknown reason as it is."""
+    return FINISH_WORDS.get(str(reason), str(reason)) if reason is not None else "unknown"
+
+
+def _count(x: Any) -> int:
+    return int(x) if _finite(x) else 0
+
+
 # ---- groups and filters ----
 
 
@@ -133,12 +183,16 @@ def group_rows(rows: Sequence[dict]) -> list[dict]:
 
 def filter_rows(rows: Sequence[dict], *, reward_min: float | None = None, reward_max: float | None = None,
                 data_sources: Collection[str] | None = None, truncated_only: bool = False,
-                zero_spread_only: bool = False, text: str | None = None) -> list[dict]:
+                zero_spread_only: bool = False, text: str | None = None, tool_error: bool = False,
+                max_turns: bool = False, no_tool_call: bool = False) -> list[dict]:
     """The responses that pass every filter given, in their order. Reward bounds are inclusive (a
     response without a finite reward fails any bound); `data_sources` None means all (an empty
     collection matches none); truncated means finish_reason "length"; zero_spread_only keeps the
     responses of groups whose rewards are all equal (judged over all of `rows`); `text` is a
-    case-insensitive substring of the prompt or the response."""
+    case-insensitive substring of the prompt or the response. The episode filters keep episodes only
+    (a single-turn row has no tool calls to fail or turns to run out of): tool_error those with a
+    failed tool call or an environment error, max_turns those the turn limits ended, no_tool_call
+    those that never called a tool."""
     zero = None
     if zero_spread_only:
         zero = {(g["step"], g["group"]) for g in group_rows(rows) if g["zero_spread"]}
@@ -158,6 +212,14 @@ def filter_rows(rows: Sequence[dict], *, reward_min: float | None = None, reward
         if zero is not None and (int(r.get("step") or 0), int(r["group"])) not in zero:
             continue
         if needle and needle not in f"{r.get('prompt') or ''}\n{r.get('response') or ''}".casefold():
+            continue
+        if (tool_error or max_turns or no_tool_call) and not is_episode(r):
+            continue
+        if tool_error and not (_count(r.get("tool_failures")) > 0 or r.get("episode_error")):
+            continue
+        if max_turns and r.get("finish_reason") != "max_turns":
+            continue
+        if no_tool_call and r.get("tool_calls") != 0:
             continue
         out.append(r)
     return out
@@ -249,8 +311,9 @@ def logged_rows(run_dir: str | Path, step: int) -> list[int]:
 
 def token_view(run_dir: str | Path, step: int, row: int) -> dict | None:
     """The token record of response `row` of `step`: {"row", "token_ids", "tokens", "log_prob",
-    "ref_log_prob", "kl", "entropy", "advantage", "clipped"}, each list as long as `tokens` (a field
-    the file lacks reads as all None). None when that response was not logged."""
+    "ref_log_prob", "kl", "entropy", "advantage", "clipped", "sampled"}, each list as long as `tokens`
+    (a field the file lacks reads as all None; `sampled` as all True, as every token of a single-turn
+    response is the policy's). None when that response was not logged."""
     path = tokens_file(run_dir, step)
     if not path.exists():
         return None
@@ -266,16 +329,32 @@ def token_view(run_dir: str | Path, step: int, row: int) -> dict | None:
     for name in TOKEN_FIELDS:
         values = list(record.get(name) or [])
         out[name] = (values + [None] * n)[:n]
+    out["sampled"] = _policy_flags(record.get("sampled"), n)
     return out
 
 
+def _policy_flags(sampled: Sequence[bool | None] | None, n: int) -> list[bool]:
+    """Per token of n: did the policy sample it. A missing or null flag reads as True (token logs from
+    before multi-turn runs have none)."""
+    flags = list(sampled or [])
+    return [i >= len(flags) or flags[i] is None or bool(flags[i]) for i in range(n)]
+
+
+def _policy_tokens(values: Sequence[Any], sampled: Sequence[bool | None] | None) -> list[Any]:
+    """`values` without the tokens the policy did not sample."""
+    return [v for v, mine in zip(values, _policy_flags(sampled, len(values)), strict=True) if mine]
+
+
 def token_summary(record: dict, quantity: str) -> dict[str, Any]:
-    """For the caption under a token view: tokens, how many have a value of `quantity`, its mean, and
-    how many tokens PPO clipped."""
-    finite = [float(v) for v in record.get(quantity) or [] if _finite(v)]
-    return {"tokens": len(record.get("tokens") or []), "with_value": len(finite),
+    """For the caption under a token view: tokens, how many the policy sampled, and over those only
+    (an episode's tool and environment tokens carry no loss): how many have a value of `quantity`, its
+    mean, and how many PPO clipped."""
+    sampled = record.get("sampled")
+    finite = [float(v) for v in _policy_tokens(record.get(quantity) or [], sampled) if _finite(v)]
+    tokens = record.get("tokens") or []
+    return {"tokens": len(tokens), "sampled": len(_policy_tokens(tokens, sampled)), "with_value": len(finite),
             "mean": sum(finite) / len(finite) if finite else None,
-            "clipped": sum(bool(c) for c in record.get("clipped") or [] if c is not None)}
+            "clipped": sum(bool(c) for c in _policy_tokens(record.get("clipped") or [], sampled) if c is not None)}
 
 
 @dataclass(frozen=True)
@@ -306,6 +385,8 @@ _NEGATIVE = (178, 24, 43)  # red
 _POSITIVE = (33, 102, 172)  # blue
 _SEQUENTIAL = (84, 39, 143)  # purple
 _MISSING = "#e6e6e6"
+_NOT_SAMPLED = "#bdbdbd"  # neutral grey: a tool's or the environment's token inside an episode
+NOT_SAMPLED_TITLE = "not sampled by the policy (tool or environment output): no loss"
 _CLIP_OUTLINE = "outline:2px solid #ff8c00;outline-offset:-2px;"
 
 
@@ -351,13 +432,17 @@ def _display(token: str) -> str:
 
 
 def token_html(tokens: Sequence[str], values: Sequence[float | None], quantity: str, *,
-               clipped: Sequence[bool | None] | None = None, scale: float | None = None) -> str:
+               clipped: Sequence[bool | None] | None = None, scale: float | None = None,
+               sampled: Sequence[bool | None] | None = None) -> str:
     """The response as one HTML block: a span per token, its background the token's value of `quantity`
-    (see `token_color`), a title tooltip with the exact value, clipped tokens outlined in orange. Token
-    text is HTML-escaped; a newline shows as ⏎ and breaks the line, a tab as ⇥, an empty token as ∅."""
+    (see `token_color`), a title tooltip with the exact value, clipped tokens outlined in orange. Tokens
+    whose `sampled` flag is False (an episode's tool and environment output) are plain grey with a
+    tooltip saying so, and do not set the scale. Token text is HTML-escaped; a newline shows as ⏎ and
+    breaks the line, a tab as ⇥, an empty token as ∅."""
     spec = _quantity(quantity)
     values = list(values) + [None] * max(0, len(tokens) - len(values))
-    scale = token_scale(values, quantity) if scale is None else (abs(scale) or 1.0)
+    policy = _policy_flags(sampled, len(tokens))
+    scale = token_scale(_policy_tokens(values, sampled), quantity) if scale is None else (abs(scale) or 1.0)
     clipped = list(clipped or [])
     spans = []
     for i, token in enumerate(tokens):
@@ -366,7 +451,10 @@ def token_html(tokens: Sequence[str], values: Sequence[float | None], quantity: 
         is_clipped = i < len(clipped) and bool(clipped[i])
         shown = f"{float(value):.6g}" if color is not None else "n/a"
         title = f"{spec.label} = {shown} · token {i}" + (" · clipped" if is_clipped else "")
-        if color is None:
+        if not policy[i]:
+            title, is_clipped = f"{NOT_SAMPLED_TITLE} · token {i}", False
+            style = f"background:{_NOT_SAMPLED};color:#333;"
+        elif color is None:
             style = f"background:{_MISSING};color:#555;"
         else:
             dark = (0.299 * color[0] + 0.587 * color[1] + 0.114 * color[2]) < 140
@@ -380,10 +468,12 @@ def token_html(tokens: Sequence[str], values: Sequence[float | None], quantity: 
             f'line-height:1.9;word-break:break-word;">{"".join(spans)}</div>')
 
 
-def token_legend_html(quantity: str, values: Sequence[float | None]) -> str:
-    """A colour bar with the scale `token_html` uses for these values, and the clipped outline."""
+def token_legend_html(quantity: str, values: Sequence[float | None], *,
+                      sampled: Sequence[bool | None] | None = None) -> str:
+    """A colour bar with the scale `token_html` uses for these values (over the sampled tokens), the
+    clipped outline, and the grey of tokens the policy did not sample when there are any."""
     spec = _quantity(quantity)
-    scale = token_scale(values, quantity)
+    scale = token_scale(_policy_tokens(values, sampled), quantity)
     if spec.diverging:
         stops = [(-scale, _blend(_NEGATIVE, 1)), (0.0, _WHITE), (scale, _blend(_POSITIVE, 1))]
         ends = (f"{-scale:.3g}", "0", f"+{scale:.3g}")
@@ -393,6 +483,10 @@ def token_legend_html(quantity: str, values: Sequence[float | None]) -> str:
     else:
         stops = [(0, _WHITE), (1, _blend(_SEQUENTIAL, 0.5)), (2, _SEQUENTIAL)]
         ends = ("0", f"{scale / 2:.3g}", f"{scale:.3g}")
+    unsampled = ""
+    if not all(_policy_flags(sampled, len(sampled or []))):
+        unsampled = (f' · <span style="background:{_NOT_SAMPLED};padding:0 4px;">grey</span> '
+                     f"{html.escape(NOT_SAMPLED_TITLE)}")
     gradient = ", ".join(f"rgb{c}" for _, c in stops)
     labels = "".join(f"<span>{html.escape(e)}</span>" for e in ends)
     return ('<div style="font-size:0.8rem;max-width:480px;">'
@@ -400,4 +494,4 @@ def token_legend_html(quantity: str, values: Sequence[float | None]) -> str:
             f'<div style="display:flex;justify-content:space-between;">{labels}</div>'
             f'<div style="margin-top:4px;"><span style="{_CLIP_OUTLINE}padding:0 4px;">token</span> '
             'outlined: PPO clipped its ratio after the update · '
-            f'<span style="background:{_MISSING};padding:0 4px;">n/a</span> no value</div></div>')
+            f'<span style="background:{_MISSING};padding:0 4px;">n/a</span> no value{unsampled}</div></div>')

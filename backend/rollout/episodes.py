@@ -1,0 +1,300 @@
+"""Multi-turn episodes: the model's turns alternate with an environment's (tool outputs, user messages)
+until the episode ends, and the trajectory stays token ids end to end.
+
+Each turn every unfinished episode's whole prefix goes to the rollout engine as a prompt (token ids in);
+the tokens it samples are appended as they came out (token ids out, never decoded and re-encoded), then
+the environment's answer is appended as the chat template's own rendering of those messages. The batch
+layout is the single-turn one (see backend.rollout.base) with one difference: inside a response,
+`response_mask` is 0 on the tokens the policy did not sample (observations), which every loss and
+estimator skips, while `attention_mask` is 1 on them (the model reads them).
+
+data.max_response_length counts every token after the prompt, observations included (as verl's agent
+loop): an episode that reaches it, or max_assistant_turns / max_user_turns, ends truncated.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.core.models import resolve_model
+from backend.envs.environment import Environment, Step
+from backend.envs.tool_calls import call_with_timeout, tools_prompt
+from backend.envs.tools import Tool
+from backend.rollout.base import RolloutBatch, SamplingParams, left_pad, right_pad
+
+# How an episode ended (its finish_reason in the rollout table): the model stopped and the environment
+# said done; the token budget ran out; the turn limits were reached; the environment failed.
+STOP, LENGTH, MAX_TURNS, ENV_ERROR = "stop", "length", "max_turns", "env_error"
+
+
+def end_of_turn_ids(tokenizer, model_path: str) -> list[int]:
+    """The ids that end an assistant turn: the tokenizer's EOS and the model's generation config's."""
+    from transformers import GenerationConfig  # as backend.core.models: transformers loads on first need
+
+    ids = [tokenizer.eos_token_id]
+    with contextlib.suppress(OSError, ValueError):
+        eos = GenerationConfig.from_pretrained(resolve_model(model_path)).eos_token_id
+        ids += list(eos) if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+class ChatRenderer:
+    """Token ids of an episode's first prompt and of each observation, as the tokenizer's chat template
+    renders them. Tools go in through the template's `tools=` argument where it uses it, else as a system
+    text (the hermes call format, see backend.envs.tool_calls)."""
+
+    def __init__(self, tokenizer, tools: list[Tool], eos_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.end_ids = eos_ids
+        self.schemas = [t.schema() for t in tools]
+        probe = [{"role": "user", "content": "x"}]
+        self.native_tools = bool(tools) and self._text(probe, tools=self.schemas) != self._text(probe)
+        self.system_text = tools_prompt(tools) if tools and not self.native_tools else ""
+        # What precedes an observation: a finished assistant turn. Its ids up to the end-of-turn token are
+        # what the model sampled; the template's rendering after that token is the observation's.
+        self._base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        base_ids = self._ids(self._base)
+        ends = [i for i, t in enumerate(base_ids) if t in eos_ids]
+        self._cut = ends[-1] + 1 if ends else len(base_ids)
+        self._base_ids = base_ids[:self._cut]
+
+    def _text(self, messages: list[dict], generation_prompt: bool = False, **kwargs) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                                  **kwargs)
+
+    def _ids(self, messages: list[dict], generation_prompt: bool = False, **kwargs) -> list[int]:
+        return self.tokenizer(self._text(messages, generation_prompt, **kwargs), add_special_tokens=False)["input_ids"]
+
+    def with_tools(self, messages: list[dict]) -> list[dict]:
+        """The messages with the tools' system text, where the template does not take them itself."""
+        if not self.system_text:
+            return list(messages)
+        if messages and messages[0].get("role") == "system":
+            return [{"role": "system", "content": f"{messages[0]['content']}\n\n{self.system_text}"}, *messages[1:]]
+        return [{"role": "system", "content": self.system_text}, *messages]
+
+    def prompt(self, messages: list[dict]) -> tuple[list[int], str]:
+        """(ids, text) of the episode's first prompt, ending with the assistant's generation prompt."""
+        kwargs = {"tools": self.schemas} if self.native_tools else {}
+        text = self._text(self.with_tools(messages), True, **kwargs)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"], text
+
+    def observation(self, messages: list[dict]) -> list[int]:
+        """Ids of `messages` as they follow an assistant turn, through the next assistant generation prompt."""
+        full = self._ids(self._base + list(messages), True)
+        if full[:self._cut] != self._base_ids:
+            raise ValueError("the chat template renders earlier turns differently once an observation follows them, "
+                             "so an observation's tokens cannot be cut out of its rendering")
+        return full[self._cut:]
+
+
+@dataclass
+class Episode:
+    """One row's trajectory: token ids after the prompt with their loss mask, and the turns for display."""
+
+    prompt_ids: list[int]
+    prompt_text: str
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)  # 1 where the policy sampled the token
+    log_probs: list[float] = field(default_factory=list)  # the engine's, 0 on observations (when it reports them)
+    turns: list[dict] = field(default_factory=list)
+    reward: dict[str, float] = field(default_factory=dict)
+    finish_reason: str = ""
+    error: str | None = None
+    assistant_turns: int = 0
+    observation_turns: int = 0
+    observation_tokens: int = 0
+    tool_seconds: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
+
+    def last_assistant_text(self) -> str:
+        texts = [t["text"] for t in self.turns if t["role"] == "assistant"]
+        return texts[-1] if texts else ""
+
+    def tool_calls(self) -> list[dict]:
+        return [c for t in self.turns for c in t.get("tool_calls", [])]
+
+
+@dataclass
+class TurnLimits:
+    max_response_length: int
+    max_assistant_turns: int
+    max_user_turns: int
+    step_timeout_s: float = 60.0  # one environment step, its tools included
+
+
+def run_episodes(generate: Callable[[list[list[int]], SamplingParams], RolloutBatch], tokenizer,
+                 renderer: ChatRenderer, envs: list[Environment], rows: list[dict], params: SamplingParams,
+                 limits: TurnLimits, progress: Callable[[str], None] | None = None) -> list[Episode]:
+    """Run one episode per (env, row) pair: `rows[i]` is the data row episode i starts from (reset), and
+    `generate(prefixes, params)` samples one response per prefix (n = 1). Turn k's draws use seed
+    params.seed + k, so episodes are reproducible on any number of workers."""
+    episodes = [_start(env, row, renderer) for env, row in zip(envs, rows, strict=True)]
+    for turn in range(limits.max_assistant_turns):
+        active = [i for i, e in enumerate(episodes) if not e.done]
+        if not active:
+            break
+        if progress:
+            progress(f"turn {turn + 1}: generating for {len(active)} of {len(episodes)} episodes")
+        budget = max(limits.max_response_length - len(episodes[i].ids) for i in active)
+        out = generate([episodes[i].prompt_ids + episodes[i].ids for i in active],
+                       dataclasses.replace(params, n=1, max_new_tokens=budget, seed=params.seed + turn * 7919))
+        texts = {}
+        for row, i in enumerate(active):
+            texts[i] = _append_sampled(episodes[i], out, row, limits.max_response_length, tokenizer)
+        stepping = [i for i in active if not episodes[i].done]
+        if progress and stepping:
+            progress(f"turn {turn + 1}: environment steps for {len(stepping)} episodes")
+        steps = _step_all([envs[i] for i in stepping], [texts[i] for i in stepping], limits.step_timeout_s)
+        for i, (step, error, seconds) in zip(stepping, steps, strict=True):
+            last_turn = turn + 1 == limits.max_assistant_turns
+            _apply_step(episodes[i], step, error, seconds, renderer, limits, last_turn)
+    for e in episodes:
+        if not e.ids:  # the environment failed before the model wrote anything: one masked token keeps the row
+            e.ids, e.mask, e.log_probs = [renderer.end_ids[0]], [0], [0.0]
+    return episodes
+
+
+def _start(env: Environment, row: dict, renderer: ChatRenderer) -> Episode:
+    try:
+        ids, text = renderer.prompt(env.reset(row))
+    except Exception as e:  # a user's reset: the episode fails, the run goes on
+        ids, text = renderer.prompt(row["messages"])
+        episode = Episode(ids, text)
+        episode.finish_reason, episode.error = ENV_ERROR, f"reset raised {type(e).__name__}: {e}"
+        return episode
+    return Episode(ids, text)
+
+
+def _append_sampled(e: Episode, out: RolloutBatch, row: int, max_length: int, tokenizer) -> str:
+    """Append the engine's sampled tokens for this row as they are; end the episode if they ran out of budget."""
+    n = int(out.response_mask[row].sum())
+    sampled = out.responses[row, :n][: max_length - len(e.ids)].tolist()
+    log_probs = out.rollout_log_probs[row, :len(sampled)].tolist() if out.rollout_log_probs is not None else \
+        [0.0] * len(sampled)
+    e.ids += sampled
+    e.mask += [1] * len(sampled)
+    e.log_probs += log_probs
+    e.assistant_turns += 1
+    ended = out.finish_reasons[row] == "stop" and len(sampled) == n  # it sampled its end-of-turn token
+    text = tokenizer.decode(sampled[:-1] if ended else sampled, skip_special_tokens=True)
+    e.turns.append({"role": "assistant", "text": text, "tokens": len(sampled)})
+    if not ended:
+        e.finish_reason = LENGTH
+    return text
+
+
+def _step_all(envs: list[Environment], texts: list[str], timeout_s: float
+              ) -> list[tuple[Step | None, str | None, float]]:
+    """Each environment's step on its text, all at once on threads (tools wait on processes and I/O); an
+    exception or a step past timeout_s is that episode's error."""
+    def one(env: Environment, text: str) -> tuple[Step | None, str | None, float]:
+        start = time.perf_counter()
+        value, error, timed_out = call_with_timeout(lambda: env.step(text), timeout_s)
+        seconds = time.perf_counter() - start
+        if timed_out:
+            return None, f"step did not return within {timeout_s:g} s", seconds
+        if error is not None:
+            return None, f"step raised {type(error).__name__}: {error}", seconds
+        if not isinstance(value, Step):
+            return None, f"step returned {type(value).__name__}, not a Step", seconds
+        return value, None, seconds
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, max(len(envs), 1))) as pool:
+        return list(pool.map(one, envs, texts))
+
+
+def _apply_step(e: Episode, step: Step | None, error: str | None, seconds: float, renderer: ChatRenderer,
+                limits: TurnLimits, last_turn: bool) -> None:
+    e.tool_seconds += seconds
+    if error is not None:
+        e.finish_reason, e.error = ENV_ERROR, error
+        e.turns.append({"role": "error", "text": error})
+        return
+    e.turns[-1]["tool_calls"] = [c.as_dict() for c in step.tool_calls]
+    for name, value in step.reward.items():
+        e.reward[name] = e.reward.get(name, 0.0) + float(value)
+    if step.done or not step.observation:
+        e.finish_reason = STOP
+        return
+    if last_turn or e.observation_turns >= limits.max_user_turns:
+        e.finish_reason = MAX_TURNS
+        return
+    try:
+        ids = renderer.observation(step.observation)
+    except Exception as exc:  # e.g. a message the template cannot render
+        e.finish_reason, e.error = ENV_ERROR, f"observation could not be rendered: {type(exc).__name__}: {exc}"
+        return
+    room = limits.max_response_length - len(e.ids)
+    kept = ids[:room]
+    e.ids += kept
+    e.mask += [0] * len(kept)
+    e.log_probs += [0.0] * len(kept)
+    e.observation_turns += 1
+    e.observation_tokens += len(kept)
+    for message in step.observation:
+        e.turns.append({"role": message.get("role", "tool"), "text": str(message.get("content", "")),
+                        **({"name": message["name"]} if "name" in message else {})})
+    if len(kept) < len(ids) or len(e.ids) >= limits.max_response_length:
+        e.finish_reason = LENGTH  # no room left for the model's next turn
+
+
+def episode_batch(episodes: list[Episode], group_ids: torch.Tensor, pad_id: int, with_log_probs: bool
+                  ) -> RolloutBatch:
+    """The episodes in the batch layout: response_mask is 0 inside a response on observation tokens."""
+    prompt_ids, prompt_mask = left_pad([e.prompt_ids for e in episodes], pad_id)
+    width = max(len(e.ids) for e in episodes)
+    responses = right_pad([torch.tensor(e.ids) for e in episodes], width, pad_id)
+    response_mask = right_pad([torch.tensor(e.mask) for e in episodes], width, 0)
+    lengths = torch.tensor([len(e.ids) for e in episodes])
+    attention = (torch.arange(width) < lengths.unsqueeze(1)).long()
+    rollout_log_probs = right_pad([torch.tensor(e.log_probs) for e in episodes], width, 0.0) if with_log_probs else None
+    return RolloutBatch(input_ids=torch.cat([prompt_ids, responses], 1),
+                        attention_mask=torch.cat([prompt_mask, attention], 1), responses=responses,
+                        response_mask=response_mask, prompt_index=group_ids,
+                        finish_reasons=[e.finish_reason for e in episodes], rollout_log_probs=rollout_log_probs)
+
+
+def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Turns, tool calls (in all, per tool, by failure kind), truncation, observation tokens, time in tools."""
+    n = len(episodes)
+    turns = torch.tensor([float(e.assistant_turns + e.observation_turns) for e in episodes])
+    calls = [c for e in episodes for c in e.tool_calls()]
+    m: dict[str, float] = {"num_turns/mean": turns.mean().item(), "num_turns/max": turns.max().item(),
+                           "num_turns/min": turns.min().item(),
+                           "multi_turn/assistant_turns/mean": sum(e.assistant_turns for e in episodes) / n,
+                           "multi_turn/observation_tokens/mean": sum(e.observation_tokens for e in episodes) / n,
+                           "multi_turn/truncated_by_budget": sum(e.finish_reason == LENGTH for e in episodes) / n,
+                           "multi_turn/truncated_by_turns": sum(e.finish_reason == MAX_TURNS for e in episodes) / n,
+                           "multi_turn/env_errors": float(sum(e.finish_reason == ENV_ERROR for e in episodes)),
+                           "multi_turn/no_tool_call": sum(not e.tool_calls() for e in episodes) / n,
+                           "tool/calls_per_episode/mean": len(calls) / n,
+                           "tool/success_rate": sum(c["failure"] is None for c in calls) / len(calls) if calls else 0.0,
+                           "timing_s/tools": sum(e.tool_seconds for e in episodes)}
+    for kind in ("errors", "timeouts", "parse_errors", "unknown_tool", "bad_arguments"):
+        m[f"tool/{kind}"] = float(sum(c["failure"] == kind for c in calls))
+    for name in sorted({c["name"] for c in calls if c["name"]}):
+        m[f"tool/{name}/calls"] = float(sum(c["name"] == name for c in calls))
+    return m
+
+
+def first_tool_error(episodes: list[Episode]) -> str | None:
+    """The first failure's message (a tool's or an environment's), for the dashboard."""
+    for e in episodes:
+        if e.error:
+            return f"environment: {e.error}"
+        for c in e.tool_calls():
+            if c["failure"]:
+                return f"{c['name'] or 'tool call'}: {c['output']}"
+    return None
+

@@ -1,0 +1,117 @@
+"""Multi-turn runs end to end on a tiny model that calls the calculator: the run directory holds each
+episode's turns and tool calls, the token log marks observation tokens as not sampled, the tool metrics
+are logged, and GRPO and PPO (a critic over interior zeros) both train."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pyarrow.parquet as pq
+import pytest
+from safetensors.torch import load_file
+
+from backend.core.config import load_config
+from backend.core.data import write_rows
+from backend.core.runs import read_metrics, read_status
+from backend.engine.trainer import Trainer
+
+from .conftest import tiny_overrides
+
+pytestmark = pytest.mark.slow
+
+ENV = """
+from backend import Step, register_environment
+from backend.envs.environment import ToolEnvironment
+
+
+class Graded(ToolEnvironment):
+    '''The tool environment, with a reward part for each call that answered.'''
+
+    def step(self, assistant_text):
+        step = super().step(assistant_text)
+        step.reward = {"answered_calls": 0.5 * sum(c.failure is None for c in step.tool_calls)}
+        return step
+"""
+
+
+@pytest.fixture(scope="module")
+def sums(tmp_path_factory) -> dict[str, str]:
+    """Questions in the form the tool model was taught to answer with a calculator call."""
+    folder = tmp_path_factory.mktemp("sums")
+    rows = [{"data_source": "arithmetic", "prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+             "reward_model": {"style": "rule", "ground_truth": str(a + b)}, "extra_info": {}}
+            for a, b in ((3, 4), (20, 5), (41, 8), (7, 70), (16, 2), (90, 9), (5, 55), (12, 12))]
+    write_rows(rows, folder / "train.parquet")
+    write_rows(rows[:4], folder / "val.parquet")
+    return {"train": str(folder / "train.parquet"), "val": str(folder / "val.parquet")}
+
+
+def multi_turn_overrides(sums, tool_model, env_file, **extra):
+    return tiny_overrides(sums, **{
+        "actor_rollout_ref.model.path": str(tool_model), "data.max_response_length": 200,
+        "data.max_prompt_length": 512, "actor_rollout_ref.rollout.multi_turn.enable": True,
+        "actor_rollout_ref.rollout.multi_turn.tools": "[calculator]",
+        "actor_rollout_ref.rollout.multi_turn.environment": f"{env_file}:Graded",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 3,
+        "actor_rollout_ref.rollout.name": "hf", "trainer.total_training_steps": 1, "trainer.test_freq": 1,
+        **extra})
+
+
+@pytest.fixture(scope="module")
+def env_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("env") / "graded.py"
+    path.write_text(ENV)
+    return path
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory, sums, tool_model, env_file):
+    run_dir = tmp_path_factory.mktemp("runs") / "multi_turn"
+    cfg = load_config(None, multi_turn_overrides(sums, tool_model, env_file, **{"trainer.save_freq": 1}))
+    Trainer(cfg, run_dir, show_progress=False).train()
+    return run_dir
+
+
+def test_a_multi_turn_grpo_run_logs_turns_tool_calls_and_environment_rewards(grpo_run):
+    assert read_status(grpo_run)["state"] == "succeeded"
+    (m,) = read_metrics(grpo_run)
+    for key in ("num_turns/mean", "multi_turn/assistant_turns/mean", "tool/calls_per_episode/mean",
+                "tool/calculator/calls", "tool/success_rate", "multi_turn/truncated_by_turns",
+                "multi_turn/observation_tokens/mean", "timing_s/tools", "reward/environment/mean",
+                "val/tool_call_rate"):
+        assert key in m and math.isfinite(m[key]), key
+    assert m["tool/calculator/calls"] >= 1 and m["multi_turn/observation_tokens/mean"] > 0
+
+    table = pq.read_table(grpo_run / "rollouts" / "step_000001.parquet").to_pylist()
+    assert len(table) == 8
+    for row in table:
+        turns = json.loads(row["turns"])
+        assert turns[0]["role"] == "assistant" and row["num_turns"] == len(turns)
+        assert row["finish_reason"] in ("stop", "length", "max_turns")
+        answered = sum(c["failure"] is None for t in turns for c in t.get("tool_calls", []))
+        assert row["reward_environment"] == pytest.approx(0.5 * answered)
+        assert row["response"] == turns[-1]["text"] if turns[-1]["role"] == "assistant" else True
+        assert "You can call tools" in row["prompt"]  # the tools offered in the system text
+
+
+def test_the_token_log_marks_observation_tokens_inside_an_episode_as_not_sampled(grpo_run):
+    tokens = pq.read_table(grpo_run / "rollouts" / "tokens_step_000001.parquet").to_pylist()
+    with_observation = [r for r in tokens if not all(r["sampled"])]
+    assert with_observation, "no logged episode held an observation"
+    row = with_observation[0]
+    first_gap = row["sampled"].index(False)
+    assert any(row["sampled"][first_gap:])  # sampled tokens again after the observation: an interior gap
+    assert all(a == 0 for a, s in zip(row["advantage"], row["sampled"], strict=True) if not s)
+
+
+def test_ppo_with_a_critic_trains_on_episodes(tmp_path, sums, tool_model, env_file, grpo_run):
+    run_dir = tmp_path / "ppo"
+    cfg = load_config(None, multi_turn_overrides(sums, tool_model, env_file, **{
+        "algorithm.adv_estimator": "gae", "trainer.val_before_train": False, "trainer.test_freq": 0}))
+    Trainer(cfg, run_dir, show_progress=False).train()
+    (m,) = read_metrics(run_dir)
+    assert math.isfinite(m["critic/vf_loss"]) and math.isfinite(m["actor/pg_loss"])
+    before = load_file(tool_model / "model.safetensors")
+    after = load_file(run_dir / "export" / "model.safetensors")
+    assert any(not before[k].equal(after[k]) for k in before)
