@@ -46,7 +46,7 @@ def calculate(expression: str) -> str:
     source = _normalized(expression)
     try:
         tree = ast.parse(source, mode="eval")
-    except (SyntaxError, ValueError) as exc:  # a null byte is a ValueError on 3.11
+    except (SyntaxError, ValueError) as exc:  # some Python versions raise ValueError for a null byte
         raise ValueError(f"calculator: cannot parse {source!r}: {getattr(exc, 'msg', exc)}") from None
     try:
         value = _evaluate(tree.body, source)

@@ -2,13 +2,13 @@
 
 A rollout calls `run_python` with whatever the model wrote, so nothing the code does may crash, hang or flood the
 training process. The code runs in a child interpreter (this file, run as a script) in a fresh empty folder,
-with a minimal environment and limits on CPU time, memory and file size. The parent kills the child's whole
+with a minimal environment and limits on CPU time, memory and file size. The parent ends the child's whole
 process group when the code ends, prints too much or runs past the wall-clock limit, so nothing it started
 survives, and turns every outcome into a `SandboxResult` instead of raising.
 
 Two layers keep the code in. Where the kernel allows it, the child enters new network and PID namespaces: no
 network at all, and no process outside to signal. In every case an audit hook, which later code cannot remove,
-refuses the network, starting processes, sending signals, ctypes, and files outside the working folder: the
+refuses the network, starting processes, sending signals, ctypes calls, and files outside the working folder: the
 code may write only there, and read only there and in the Python installation, so that the standard library and
 installed packages still import. The hook sees only what Python itself does; native code in an installed
 package (a database engine reading files, say) goes past it, and only the namespaces and limits still hold.
@@ -20,11 +20,13 @@ and exec can deadlock in a multithreaded parent, which a training process is.
 from __future__ import annotations
 
 import _posixsubprocess
+import _signal
 import codecs
 import contextlib
 import ctypes
 import math
 import os
+import posix
 import resource
 import selectors
 import signal
@@ -52,6 +54,8 @@ _DRAIN_S = 0.5
 # How often the parent looks whether the child has exited while it waits for output: the longest a finished
 # run waits for its result.
 _POLL_S = 0.005
+# How long a child sent SIGTERM has to end the code's processes and reap them before its group is killed.
+_STOP_S = 1.0
 # Held by the child while the code runs and freed when it raises, so that a MemoryError can still be described.
 _MEMORY_RESERVE_BYTES = _MIB
 _MAX_ERROR_CHARS = 1000
@@ -149,7 +153,7 @@ def _run_in(folder: str, code: bytes, limits: _Limits) -> SandboxResult:
                 [sys.executable, "-I", "-B", "-u", os.path.abspath(__file__), str(error_write), repr(limits.cpu_s),
                  str(limits.memory_mb)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0, cwd=folder,
-                env=_child_environment(folder), pass_fds=(error_write,), start_new_session=True)
+                env=_child_environment(folder), pass_fds=(error_write,), process_group=0)
         finally:
             os.close(error_write)  # the child has its own copy
         with proc:  # closes the pipes however this ends; its wait returns at once after _reap
@@ -157,9 +161,7 @@ def _run_in(folder: str, code: bytes, limits: _Limits) -> SandboxResult:
             try:
                 ending = _follow(proc, code, time.monotonic() + limits.wall_s, output)
             finally:
-                # Killed before the child is reaped: while it is a zombie its id cannot be reused, so the signal
-                # cannot reach an unrelated process group.
-                _kill_group(proc.pid)
+                _stop(proc.pid)
             if ending != "flooded":
                 _drain(proc.stdout.fileno(), output)
             output.add(b"", final=True)
@@ -168,7 +170,8 @@ def _run_in(folder: str, code: bytes, limits: _Limits) -> SandboxResult:
 
 
 def _child_environment(folder: str) -> dict[str, str]:
-    """Nothing of the parent's: no credentials, paths or settings leak into the code's reach."""
+    """Nothing of the parent's: no credentials, paths or settings leak into the code's reach. TMPDIR points
+    tempfile at the working folder, the one place the code may write."""
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
             "TMPDIR": folder}
 
@@ -200,7 +203,7 @@ def _follow(proc: subprocess.Popen, code: bytes, deadline: float, output: _Outpu
 
 
 def _has_exited(pid: int) -> bool:
-    """Whether the child has exited, without reaping it (see _run_in on why that matters)."""
+    """Whether the child has exited, without reaping it (see _stop on why that matters)."""
     try:
         return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:  # something else in this process reaped it
@@ -235,9 +238,22 @@ def _drain(stdout: int, output: _Output) -> None:
                 return
 
 
-def _kill_group(pgid: int) -> None:
+def _stop(pid: int) -> None:
+    """Ends the child and everything it started, before the child is reaped: while it is a zombie its id cannot
+    be reused, so the group kill cannot reach an unrelated process group.
+
+    A child still running is first sent SIGTERM, on which the process the child handed the code to is killed, and
+    with it the code's whole PID namespace, and reaped: killing the group at once would orphan that process, and
+    a container's first process, which orphans go to, may never reap it.
+    """
+    if not _has_exited(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_S
+        while not _has_exited(pid) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        pass
+        os.killpg(pid, signal.SIGKILL)
 
 
 def _reap(proc: subprocess.Popen) -> tuple[int | None, float]:
@@ -321,10 +337,20 @@ def _isolate() -> bool:
 def _hand_over_to_first_process() -> None:
     """Forks the process that runs the code, the first of the new PID namespace (a namespace is entered by the
     children of the process that made it). This one waits and ends as that one ended, so the parent sees its exit
-    status, the signal that killed it and its CPU time; the group kill reaches both."""
+    status, the signal that killed it and its CPU time; on SIGTERM from the parent it kills that process, which
+    takes the namespace with it, and still reaps it (see _stop)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # held until the handler knows the process
     pid = os.fork()
     if pid == 0:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         return
+
+    def kill_the_namespace(*_: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, kill_the_namespace)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     exit_code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     if exit_code < 0:
         with contextlib.suppress(OSError, ValueError):  # SIGKILL's handler cannot be set, nor need be
@@ -392,18 +418,19 @@ def _exec(code: str, namespace: dict) -> BaseException | None:
 
 
 # ---- the child's guards ----
-# Each guard function takes everything it uses (functions, constants and the folders) as keyword defaults, bound
-# in _install_guards before the model's code runs. That code can rebind module globals, builtins and closure cells
+# Each guard function takes everything its decisions depend on (functions, event sets, the folders) as keyword
+# defaults, bound before the model's code runs. That code can rebind module globals, builtins and closure cells
 # without an audit event; reading, replacing or deleting a function's defaults or code raises one, which the guard
 # refuses for its own functions.
 
 _NETWORK = "network access is not allowed in the python tool"
 _PROCESSES = "starting processes is not allowed in the python tool"
+_SIGNALS = "sending signals is not allowed in the python tool"
 _CTYPES = "calling C code through ctypes is not allowed in the python tool"
 _REFUSED = (
     (frozenset({"subprocess.Popen", "os.system", "os.exec", "os.spawn", "os.posix_spawn", "os.fork", "os.forkpty",
                 "pty.spawn"}), _PROCESSES),
-    (frozenset({"os.kill", "os.killpg"}), "sending signals is not allowed in the python tool"),
+    (frozenset({"os.kill", "os.killpg"}), _SIGNALS),
     (frozenset({"os.link", "os.symlink"}), "creating links is not allowed in the python tool"),
     (frozenset({"resource.setrlimit", "resource.prlimit"}),
      "changing resource limits is not allowed in the python tool"),
@@ -417,10 +444,9 @@ _REFUSED = (
      "inspecting or tracing the interpreter is not allowed in the python tool"),
 )
 # cffi calls any C function, which can undo every guard (ctypes is loaded already, for _isolate, so that packages
-# that only use its types, such as sympy, import; its calls raise ctypes.* events). _posixsubprocess starts
-# processes without an audit event: _install_guards replaces the loaded copy's fork_exec, and a second copy would
-# bring it back.
-_REFUSED_IMPORTS = frozenset({"_cffi_backend", "_posixsubprocess"})
+# that only use its types, such as sympy, import; its calls raise ctypes.* events). _install_guards replaces
+# functions of the other three that act without an audit event; a second copy of the module would bring them back.
+_REFUSED_IMPORTS = frozenset({"_cffi_backend", "_posixsubprocess", "posix", "_signal"})
 _CHANGES = frozenset({"os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.utime", "os.truncate",
                       "os.setxattr", "os.removexattr", "shutil.rmtree"})
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
@@ -456,6 +482,8 @@ def _resolved(path: object, *, getcwd=os.getcwd, fspath=os.fspath, type_=type, i
 def _check_open(path: object, flags: int, *, writable: tuple[str, ...] = (), readable: tuple[str, ...] = (),
                 resolved=_resolved, stat_=os.stat, devnull=os.devnull, write_flags=_WRITE_FLAGS,
                 is_dir=stat.S_ISDIR, is_char=stat.S_ISCHR, is_block=stat.S_ISBLK) -> None:
+    """Refuses writing outside the working folder, reading outside it and the installation, opening a folder
+    outside it, and any device but os.devnull."""
     target = resolved(path)
     if target is None or target == devnull:
         return
@@ -531,13 +559,18 @@ def _install_guards(workdir: str) -> None:
     def refuse_process(*args: object) -> None:
         raise PermissionError(_PROCESSES)
 
-    _posixsubprocess.fork_exec = refuse_process
-    subprocess._fork_exec = refuse_process  # the copy subprocess took when this module imported it
+    def refuse_signal(*args: object) -> None:
+        raise PermissionError(_SIGNALS)
+
+    # These raise no audit event. subprocess took its own copy of fork_exec when this module imported it; a pidfd
+    # could signal the parent where no PID namespace hides it.
+    _posixsubprocess.fork_exec = subprocess._fork_exec = refuse_process
+    os.pidfd_open = posix.pidfd_open = signal.pidfd_send_signal = _signal.pidfd_send_signal = refuse_signal
     writable = (workdir.rstrip("/") + "/",)
     readable = _installation_dirs()
     _check_open.__kwdefaults__.update(writable=writable, readable=readable)
     _audit.__kwdefaults__.update(writable=writable, readable=readable,
-                                 guarded=(_audit, _check_open, _check_place, _resolved, refuse_process))
+                                 guarded=(_audit, _check_open, _check_place, _resolved, refuse_process, refuse_signal))
     sys.addaudithook(_audit)
 
 
