@@ -390,7 +390,7 @@ class Trainer:
             # Each round draws new samples: its own seed, still a function of (seed, step) for resumes.
             round_params = dataclasses.replace(params, seed=params.seed + round_ * 1_000_000_007)
             with timer("gen", timings):
-                batch, episodes = self._generate(items, round_params)
+                batch, episodes = self._generate(items, round_params, timings)
             if not fg.enable and not self.cfg.reward_model.enable:
                 return Rollout(items, batch, in_background(functools.partial(self._decode_and_score, items, batch,
                                                                              timings, episodes)),
@@ -416,17 +416,19 @@ class Trainer:
                        finished((kept_texts, concat_scored(kept_scores))),
                        {"batch/dynamic_sampling_rounds": round_ + 1, "batch/kept_groups": len(kept_items)})
 
-    def _generate(self, items: list[dict], params: SamplingParams) -> tuple[RolloutBatch, list[Episode] | None]:
+    def _generate(self, items: list[dict], params: SamplingParams, timings: dict[str, float] | None = None
+                  ) -> tuple[RolloutBatch, list[Episode] | None]:
         """n responses per prompt: one generation, or with multi_turn.enable one episode each."""
         if not self.cfg.actor_rollout_ref.rollout.multi_turn.enable:
             return self.rollout.generate([it["prompt_ids"] for it in items], params,
                                          progress=self._generation_stage), None
-        episodes = self._episodes([it for it in items for _ in range(params.n)], params)
+        episodes = self._episodes([it for it in items for _ in range(params.n)], params, timings)
         group_ids = torch.arange(len(items)).repeat_interleave(params.n)
         return episode_batch(episodes, group_ids, self.tokenizer.pad_token_id,
                              with_log_probs=self.cfg.actor_rollout_ref.rollout.name == "vllm"), episodes
 
-    def _episodes(self, rows: list[dict], params: SamplingParams) -> list[Episode]:
+    def _episodes(self, rows: list[dict], params: SamplingParams, timings: dict[str, float] | None = None
+                  ) -> list[Episode]:
         """One episode per row, each with its own environment."""
         mt = self.cfg.actor_rollout_ref.rollout.multi_turn
         limits = ToolLimits(mt.tool_timeout_s, mt.max_tool_response_length, mt.tool_response_truncate_side,
@@ -435,7 +437,7 @@ class Trainer:
                                  mt.tool_timeout_s * mt.max_parallel_calls)
         envs = [self.environment(self.tools, limits) for _ in rows]
         return run_episodes(self.rollout.generate, self.tokenizer, self.renderer, envs, rows, params, turn_limits,
-                            progress=lambda text: self.stage(text, force=True))
+                            progress=lambda text: self.stage(text, force=True), timings=timings)
 
     def _wait(self, scoring: concurrent.futures.Future) -> tuple[list[str], ScoredBatch]:
         if not scoring.done():
@@ -521,7 +523,7 @@ class Trainer:
         """ReMax's baseline: the score of one greedy response per prompt, (prompts,)."""
         with self._phase("gen_baseline", "generating greedy baselines", timings):
             greedy = dataclasses.replace(self._sampling(step), n=1, greedy=True)
-            batch, episodes = self._generate(items, greedy)
+            batch, episodes = self._generate(items, greedy, timings)
             _, scored = self._decode_and_score(items, batch, timings, episodes)
             return torch.tensor(scored.scores, dtype=torch.float32)
 

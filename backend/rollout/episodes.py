@@ -135,10 +135,12 @@ class TurnLimits:
 
 def run_episodes(generate: Callable[[list[list[int]], SamplingParams], RolloutBatch], tokenizer,
                  renderer: ChatRenderer, envs: list[Environment], rows: list[dict], params: SamplingParams,
-                 limits: TurnLimits, progress: Callable[[str], None] | None = None) -> list[Episode]:
+                 limits: TurnLimits, progress: Callable[[str], None] | None = None,
+                 timings: dict[str, float] | None = None) -> list[Episode]:
     """Run one episode per (env, row) pair: `rows[i]` is the data row episode i starts from (reset), and
     `generate(prefixes, params)` samples one response per prefix (n = 1). Turn k's draws use seed
-    params.seed + k, so episodes are reproducible on any number of workers."""
+    params.seed + k * 7919, so episodes are reproducible on any number of workers. `timings` gets
+    timing_s/tools: the wall time of the environment steps (all episodes of a turn step at once)."""
     episodes = [_start(env, row, renderer) for env, row in zip(envs, rows, strict=True)]
     for turn in range(limits.max_assistant_turns):
         active = [i for i, e in enumerate(episodes) if not e.done]
@@ -155,7 +157,10 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingParams], RolloutBa
         stepping = [i for i in active if not episodes[i].done]
         if progress and stepping:
             progress(f"turn {turn + 1}: environment steps for {len(stepping)} episodes")
+        start = time.perf_counter()
         steps = _step_all([envs[i] for i in stepping], [texts[i] for i in stepping], limits.step_timeout_s)
+        if timings is not None:
+            timings["timing_s/tools"] = timings.get("timing_s/tools", 0.0) + time.perf_counter() - start
         for i, (step, error, seconds) in zip(stepping, steps, strict=True):
             last_turn = turn + 1 == limits.max_assistant_turns
             _apply_step(episodes[i], step, error, seconds, renderer, limits, last_turn)
@@ -280,7 +285,7 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
                            "multi_turn/no_tool_call": sum(not e.tool_calls() for e in episodes) / n,
                            "tool/calls_per_episode/mean": len(calls) / n,
                            "tool/success_rate": sum(c["failure"] is None for c in calls) / len(calls) if calls else 0.0,
-                           "timing_s/tools": sum(e.tool_seconds for e in episodes)}
+                           "multi_turn/tool_seconds/mean": sum(e.tool_seconds for e in episodes) / n}
     for kind in ("errors", "timeouts", "parse_errors", "unknown_tool", "bad_arguments"):
         m[f"tool/{kind}"] = float(sum(c["failure"] == kind for c in calls))
     for name in sorted({c["name"] for c in calls if c["name"]}):
