@@ -181,3 +181,22 @@ def test_the_workbench_engine_plays_the_same_episodes_as_hugging_face_generate(e
     ours, _, _ = _run(workbench, [_calculator_env(), _calculator_env()], rows, greedy=False, tokenizer=engine.tokenizer)
     assert [e.ids for e in ours] == [e.ids for e in hf] and [e.mask for e in ours] == [e.mask for e in hf]
     assert sum(e.observation_turns for e in ours) >= 1
+
+
+class Replies(Environment):
+    def step(self, assistant_text):
+        return Step(observation=[{"role": "user", "content": "Go on."}])
+
+
+def test_max_tokens_per_turn_cuts_a_turn_and_with_ignore_eos_every_turn_runs_to_it(engine):
+    tokenizer = engine.tokenizer
+    renderer = ChatRenderer(tokenizer, [], [tokenizer.eos_token_id])
+    limits = TurnLimits(400, 3, 5, 5.0, max_tokens_per_turn=10)
+    (cut,) = run_episodes(engine.generate, tokenizer, renderer, [Replies()], _rows(["What is 55 + 1?"]),
+                          SamplingParams(n=1, greedy=True, max_new_tokens=400), limits)
+    assert (cut.assistant_turns, len(cut.ids), cut.finish_reason) == (1, 10, LENGTH)
+    (fixed,) = run_episodes(engine.generate, tokenizer, renderer, [Replies()], _rows(["What is 55 + 1?"]),
+                            SamplingParams(n=1, greedy=True, max_new_tokens=400, ignore_eos=True), limits)
+    reply = len(renderer.observation([{"role": "user", "content": "Go on."}]))
+    assert (fixed.assistant_turns, fixed.finish_reason) == (3, MAX_TURNS)
+    assert fixed.mask == [1] * 10 + [0] * reply + [1] * 10 + [0] * reply + [1] * 10

@@ -190,6 +190,10 @@ class MultiTurnConfig:
     max_assistant_turns: int = _f(5, "Most assistant turns an episode; one that still calls a tool then ends "
                                   "truncated (finish reason max_turns).", min=1)
     max_user_turns: int = _f(5, "Most environment turns (tool outputs or user messages) an episode.", min=0)
+    max_tokens_per_turn: int = _f(0, "Most tokens the model writes in one turn (0: what is left of "
+                                  "data.max_response_length). A turn cut there ends the episode as truncated; with "
+                                  "rollout.ignore_eos (fixed-length benchmarks) every turn runs to it and the episode "
+                                  "goes on.", min=0)
     max_parallel_calls: int = _f(1, "Tool calls run per assistant turn; later ones are answered with an error.",
                                  min=1)
     max_tool_response_length: int = _f(256, "Characters of a tool's output the model reads; longer output is cut.",

@@ -434,7 +434,7 @@ class Trainer:
         limits = ToolLimits(mt.tool_timeout_s, mt.max_tool_response_length, mt.tool_response_truncate_side,
                             mt.max_parallel_calls)
         turn_limits = TurnLimits(self.cfg.data.max_response_length, mt.max_assistant_turns, mt.max_user_turns,
-                                 mt.tool_timeout_s * mt.max_parallel_calls)
+                                 mt.tool_timeout_s * mt.max_parallel_calls, mt.max_tokens_per_turn)
         envs = [self.environment(self.tools, limits) for _ in rows]
         return run_episodes(self.rollout.generate, self.tokenizer, self.renderer, envs, rows, params, turn_limits,
                             progress=lambda text: self.stage(text, force=True), timings=timings)

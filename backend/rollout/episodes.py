@@ -131,6 +131,7 @@ class TurnLimits:
     max_assistant_turns: int
     max_user_turns: int
     step_timeout_s: float = 60.0  # one environment step, its tools included
+    max_tokens_per_turn: int = 0  # 0: what is left of max_response_length
 
 
 def run_episodes(generate: Callable[[list[list[int]], SamplingParams], RolloutBatch], tokenizer,
@@ -149,11 +150,13 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingParams], RolloutBa
         if progress:
             progress(f"turn {turn + 1}: generating for {len(active)} of {len(episodes)} episodes")
         budget = max(limits.max_response_length - len(episodes[i].ids) for i in active)
+        if limits.max_tokens_per_turn:
+            budget = min(budget, limits.max_tokens_per_turn)
         out = generate([episodes[i].prompt_ids + episodes[i].ids for i in active],
                        dataclasses.replace(params, n=1, max_new_tokens=budget, seed=params.seed + turn * 7919))
         texts = {}
         for row, i in enumerate(active):
-            texts[i] = _append_sampled(episodes[i], out, row, limits.max_response_length, tokenizer)
+            texts[i] = _append_sampled(episodes[i], out, row, limits, params.ignore_eos, tokenizer)
         stepping = [i for i in active if not episodes[i].done]
         if progress and stepping:
             progress(f"turn {turn + 1}: environment steps for {len(stepping)} episodes")
@@ -181,10 +184,12 @@ def _start(env: Environment, row: dict, renderer: ChatRenderer) -> Episode:
     return Episode(ids, text)
 
 
-def _append_sampled(e: Episode, out: RolloutBatch, row: int, max_length: int, tokenizer) -> str:
-    """Append the engine's sampled tokens for this row as they are; end the episode if they ran out of budget."""
+def _append_sampled(e: Episode, out: RolloutBatch, row: int, limits: TurnLimits, ignore_eos: bool, tokenizer) -> str:
+    """Append the engine's sampled tokens for this row as they are; end the episode if they ran out of budget
+    (with ignore_eos, a turn that filled max_tokens_per_turn is whole and the episode goes on)."""
     n = int(out.response_mask[row].sum())
-    sampled = out.responses[row, :n][: max_length - len(e.ids)].tolist()
+    room = limits.max_response_length - len(e.ids)
+    sampled = out.responses[row, :n][:room].tolist()
     log_probs = out.rollout_log_probs[row, :len(sampled)].tolist() if out.rollout_log_probs is not None else \
         [0.0] * len(sampled)
     e.ids += sampled
@@ -192,9 +197,10 @@ def _append_sampled(e: Episode, out: RolloutBatch, row: int, max_length: int, to
     e.log_probs += log_probs
     e.assistant_turns += 1
     ended = out.finish_reasons[row] == "stop" and len(sampled) == n  # it sampled its end-of-turn token
+    fixed_length = ignore_eos and len(sampled) == limits.max_tokens_per_turn and len(sampled) < room
     text = tokenizer.decode(sampled[:-1] if ended else sampled, skip_special_tokens=True)
     e.turns.append({"role": "assistant", "text": text, "tokens": len(sampled)})
-    if not ended:
+    if not (ended or fixed_length):
         e.finish_reason = LENGTH
     return text
 
