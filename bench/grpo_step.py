@@ -45,13 +45,15 @@ KL_COEF, LR = 0.04, 1e-6
 H200_BF16_FLOPS = 989e12  # dense bf16 peak of the spec sheet; MFU is quoted against it
 
 
-def build_model(tokenizer_dir: str, out: Path, small: bool) -> Path:
+def build_model(tokenizer_dir: str, out: Path, small: bool, chat_template: bool = False) -> Path:
     """The random Qwen3 model, saved with a tokenizer whose chat template is removed: both engines then
-    see the same plain-text prompts of about 8 tokens, as the workload says."""
+    see the same plain-text prompts of about 8 tokens, as the workload says. `chat_template` keeps it (the
+    multi-turn benchmark renders episodes with it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tokenizer.chat_template = None
+    if not chat_template:
+        tokenizer.chat_template = None
     dims = dict(engine_step.QWEN3_06B)
     if small:
         dims.update(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -60,7 +62,8 @@ def build_model(tokenizer_dir: str, out: Path, small: bool) -> Path:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / "chat_template.jinja").unlink(missing_ok=True)
+    if not chat_template:
+        (out / "chat_template.jinja").unlink(missing_ok=True)
     return out
 
 

@@ -42,22 +42,6 @@ from backend.rollout.episodes import ChatRenderer  # noqa: E402
 PROMPTS, SAMPLES, RESPONSE = 64, 8, 256
 
 
-def build_model(tokenizer_dir: str, out: Path, small: bool) -> Path:
-    """The random Qwen3 model with the tokenizer's chat template kept (episodes are rendered with it)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    dims = dict(engine_step.QWEN3_06B)
-    if small:
-        dims.update(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                    intermediate_size=128, vocab_size=len(tokenizer))
-    config = Qwen3Config(**dims, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", required=True, help="tokenizer folder (with a chat template)")
@@ -75,7 +59,7 @@ def main() -> None:
 
     prompts_n, samples, response = (4, 4, 32) if args.small else (PROMPTS, SAMPLES, RESPONSE)
     work = Path(tempfile.mkdtemp(prefix="multi-turn-step-"))
-    model_dir = build_model(args.tokenizer, work / "model", args.small)
+    model_dir = grpo_step.build_model(args.tokenizer, work / "model", args.small, chat_template=True)
     data = grpo_step.write_prompts(trl_grpo.random_prompts(prompts_n), work / "prompts.parquet")
     tokenizer = load_tokenizer(str(model_dir))
     observation = len(ChatRenderer(tokenizer, [], [tokenizer.eos_token_id]).observation(REPLY))

@@ -114,19 +114,25 @@ def test_a_run_waiting_for_a_debugger_says_where_to_attach_and_lists_its_workers
     assert any("rank 1 pid 4001 on node-a (cuda)" in c.value for c in at.caption)
 
 
-def test_a_reward_function_that_fails_is_reported_with_its_counts_and_first_error(home):
+def write_finished_run(home: Path, name: str, lines: list[dict]) -> Path:
+    """A succeeded two-step run directory holding these metrics lines."""
     import json
     import time
 
-    run_dir = home / "runs" / "20260101-000000-reward"
+    run_dir = home / "runs" / name
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "config.yaml").write_text("trainer:\n  total_training_steps: 2\n")
     (run_dir / "status.json").write_text(json.dumps({"state": "succeeded", "step": 2, "total_steps": 2,
                                                      "heartbeat": time.time()}))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    return run_dir
+
+
+def test_a_reward_function_that_fails_is_reported_with_its_counts_and_first_error(home):
     lines = [{"step": 1, "critic/score/mean": 0.5, "reward/errors": 0.0, "reward/timeouts": 0.0, "reward/invalid": 0.0},
              {"step": 2, "critic/score/mean": 0.0, "reward/errors": 3.0, "reward/timeouts": 1.0, "reward/invalid": 0.0,
               "reward/first_error": "ZeroDivisionError: division by zero"}]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    write_finished_run(home, "20260101-000000-reward", lines)
     at = page(home).run()
     assert not at.exception
     [warning] = [w.value for w in at.warning if "reward call" in w.value]
@@ -134,14 +140,6 @@ def test_a_reward_function_that_fails_is_reported_with_its_counts_and_first_erro
 
 
 def test_a_multi_turn_run_charts_its_tool_use_and_reports_failed_calls_with_the_first_message(home):
-    import json
-    import time
-
-    run_dir = home / "runs" / "20260101-000000-tools"
-    (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "config.yaml").write_text("trainer:\n  total_training_steps: 2\n")
-    (run_dir / "status.json").write_text(json.dumps({"state": "succeeded", "step": 2, "total_steps": 2,
-                                                     "heartbeat": time.time()}))
     clean = {"tool/errors": 0.0, "tool/timeouts": 0.0, "tool/parse_errors": 0.0, "tool/unknown_tool": 0.0,
              "tool/bad_arguments": 0.0, "multi_turn/env_errors": 0.0}
     lines = [{"step": 1, "critic/score/mean": 0.5, "num_turns/mean": 3.0, "tool/calls_per_episode/mean": 1.0,
@@ -149,7 +147,7 @@ def test_a_multi_turn_run_charts_its_tool_use_and_reports_failed_calls_with_the_
              {"step": 2, "critic/score/mean": 0.6, "num_turns/mean": 2.5, "tool/calls_per_episode/mean": 1.5,
               "tool/success_rate": 0.5, **clean, "tool/parse_errors": 2.0, "tool/timeouts": 1.0,
               "multi_turn/env_errors": 1.0, "tool/first_error": "calculator: Error: calculator: division by zero"}]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    write_finished_run(home, "20260101-000000-tools", lines)
     at = page(home).run()
     assert not at.exception
     titles = [c.proto.spec for c in at.get("plotly_chart")]
