@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import threading
 from pathlib import Path
+from typing import Any
 
 import streamlit as st
 
@@ -42,6 +43,20 @@ def editing_config() -> Config:
     with problems still gives every key it can."""
     text = st.session_state.get(presets.SESSION_KEY) or presets.preset_yaml_text(presets.DEFAULT_PRESET)
     return draft_config(text) or Config()
+
+
+_MD_SPECIAL = set("\\`*_{}[]<>()#+-.!|~$:")
+
+
+def markdown_literal(text: Any) -> str:
+    """User text made literal inside markdown (labels, captions, chat messages): every ASCII punctuation escaped."""
+    return "".join("\\" + c if c in _MD_SPECIAL else c for c in str(text))
+
+
+def one_line(text: Any, n: int) -> str:
+    """`text` on one line, cut to `n` characters with an ellipsis."""
+    flat = " ".join(str(text or "").split())
+    return flat if len(flat) <= n else flat[: n - 1] + "…"
 
 
 def remember_opened_run(selection_key: str) -> None:

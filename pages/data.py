@@ -25,7 +25,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 import streamlit as st
-from page_support import editing_config, guarded, is_entry_point
+from page_support import editing_config, guarded, is_entry_point, markdown_literal, one_line
 
 from backend.core import workspace
 from backend.core.models import SHIPPED, load_tokenizer
@@ -429,7 +429,7 @@ def _environment_playground(summary: dict[str, Any], path: Path) -> None:
         st.info("The file has no rows to start an episode from.")
         return
     pick = st.selectbox("Start from row", list(range(len(rows))), key="env_row",
-                        format_func=lambda i: f"row {i}: {_short(preview.render_prompt(rows[i].get('prompt')))}")
+                        format_func=lambda i: f"row {i}: {one_line(preview.render_prompt(rows[i].get('prompt')), 60)}")
     key = (str(path), pick, repr(mt))
     held = st.session_state.get("_env_trial")
     if st.button("Start again", key="env_restart") or held is None or held[0] != key:
@@ -444,7 +444,7 @@ def _environment_playground(summary: dict[str, Any], path: Path) -> None:
     with st.expander(f"Tools offered to the model ({len(trial.tools)})"):
         st.json(trial.tools, expanded=False)
     for message in trial.messages:
-        st.chat_message(message.get("role", "user")).markdown(_escape(str(message.get("content", ""))))
+        st.chat_message(message.get("role", "user")).markdown(markdown_literal(str(message.get("content", ""))))
     if trial.error:
         st.error(trial.error)
     for turn in trial.turns:
@@ -475,22 +475,13 @@ def _draw_turn(turn: dict[str, Any]) -> None:
                 st.json(call["arguments"])
             (st.error if call["failure"] else st.code)(call["output"])
     for message in turn["observation"] if not turn["tool_calls"] else []:
-        st.chat_message(message.get("role", "user")).markdown(_escape(str(message.get("content", ""))))
+        st.chat_message(message.get("role", "user")).markdown(markdown_literal(str(message.get("content", ""))))
     if turn["error"]:
         st.error(f"The environment failed: {turn['error']} (a run ends this episode with reward 0)")
     if turn["reward"]:
         st.caption(f"reward parts: {turn['reward']}")
     if turn.get("truncated"):
         st.warning(f"Episode ended: {turn['truncated']}")
-
-
-def _escape(text: str) -> str:
-    return re.sub(r"([\\`*_{}\[\]()#+\-.!<>|~$])", r"\\\1", text)
-
-
-def _short(text: str, n: int = 60) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= n else line[:n] + "..."
 
 
 def _engine_problems_slot(summary: dict[str, Any]) -> Any:

@@ -19,7 +19,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 import streamlit as st
-from page_support import is_entry_point
+from page_support import is_entry_point, one_line
+from page_support import markdown_literal as _md
 
 from backend.core import workspace
 from backend.services import rollouts as ir
@@ -69,19 +70,6 @@ def _valid(key: str, options: list, default: Any) -> None:
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
-
-
-def _md(text: Any) -> str:
-    """User text made literal inside markdown (labels, captions): every ASCII punctuation escaped."""
-    return "".join("\\" + c if c in _MD_SPECIAL else c for c in str(text))
-
-
-_MD_SPECIAL = set("\\`*_{}[]<>()#+-.!|~$:")
-
-
-def _short(text: Any, n: int = PROMPT_LABEL) -> str:
-    flat = " ".join(str(text or "").split())
-    return flat if len(flat) <= n else flat[: n - 1] + "…"
 
 
 # ---- picking a run and a step ----
@@ -248,7 +236,7 @@ def _groups(groups: list[dict], parts: list[str], n_groups: int) -> None:
     for g in groups[:MAX_GROUPS]:
         spread = "zero spread" if g["zero_spread"] else f"min {_fmt(g['min'], '.2f')} … max {_fmt(g['max'], '.2f')}"
         label = (f"group {g['group']} · index {g['index']} · {_md(g['data_source'])} · mean {_fmt(g['mean'])} ± "
-                 f"{_fmt(g['std'])} · {spread} · n={g['n']} · {_md(_short(g['prompt'], 50))}")
+                 f"{_fmt(g['std'])} · {spread} · n={g['n']} · {_md(one_line(g['prompt'], 50))}")
         with st.expander(label):
             st.markdown(f"**Prompt** · ground truth {_md(g['ground_truth'])}")
             st.text(g["prompt"] or "")
@@ -273,7 +261,8 @@ def _history_section(run_dir: Path, rows: list[dict], groups: list[dict]) -> Non
     _valid("rollouts_prompt", options, options[0])
     index = st.selectbox("Prompt", options, key="rollouts_prompt",
                          format_func=lambda i: f"index {i} · {prompts[i]['data_source']} · mean "
-                                               f"{_fmt(prompts[i]['mean'], '.2f')} · {_short(prompts[i]['prompt'])}")
+                                               f"{_fmt(prompts[i]['mean'], '.2f')} · "
+                                               f"{one_line(prompts[i]['prompt'], PROMPT_LABEL)}")
     stamps = tuple((s, _stamp(ir.step_file(run_dir, s))) for s in ir.rollout_steps(run_dir))
     history = _history(str(run_dir), index, stamps)
     if not history:
@@ -284,7 +273,7 @@ def _history_section(run_dir: Path, rows: list[dict], groups: list[dict]) -> Non
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=[r["step"] for r in history], y=[r["reward"] for r in history], mode="markers",
                              name="responses", opacity=0.6,
-                             text=[_short(r.get("response"), 80) for r in history], hoverinfo="x+y+text"))
+                             text=[one_line(r.get("response"), 80) for r in history], hoverinfo="x+y+text"))
     fig.add_trace(go.Scatter(x=[g["step"] for g in visits], y=[g["mean"] for g in visits], mode="lines+markers",
                              name="group mean"))
     fig.update_layout(height=260, margin={"l": 10, "r": 10, "t": 30, "b": 10},

@@ -431,8 +431,7 @@ class Trainer:
                   ) -> list[Episode]:
         """One episode per row, each with its own environment."""
         mt = self.cfg.actor_rollout_ref.rollout.multi_turn
-        limits = ToolLimits(mt.tool_timeout_s, mt.max_tool_response_length, mt.tool_response_truncate_side,
-                            mt.max_parallel_calls)
+        limits = ToolLimits.of(mt)
         turn_limits = TurnLimits(self.cfg.data.max_response_length, mt.max_assistant_turns, mt.max_user_turns,
                                  mt.tool_timeout_s * mt.max_parallel_calls, mt.max_tokens_per_turn)
         envs = [self.environment(self.tools, limits) for _ in rows]

@@ -27,6 +27,7 @@ import difflib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from backend.envs.tool_calls import ToolCall, parse_calls, run_call
 from backend.envs.tools import Tool, ToolError
@@ -52,6 +53,12 @@ class ToolLimits:
     max_chars: int = 256  # verl's max_tool_response_length
     truncate_side: str = "middle"
     max_parallel_calls: int = 1
+
+    @classmethod
+    def of(cls, multi_turn: Any) -> ToolLimits:
+        """The limits an actor_rollout_ref.rollout.multi_turn config section sets."""
+        return cls(multi_turn.tool_timeout_s, multi_turn.max_tool_response_length,
+                   multi_turn.tool_response_truncate_side, multi_turn.max_parallel_calls)
 
 
 class Environment:

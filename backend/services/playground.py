@@ -22,8 +22,7 @@ class EnvironmentTrial:
     environment) or DataError (a row it cannot read) with the key or row at fault."""
 
     def __init__(self, multi_turn: MultiTurnConfig, row: dict[str, Any], where: str = "row"):
-        self.limits = ToolLimits(multi_turn.tool_timeout_s, multi_turn.max_tool_response_length,
-                                 multi_turn.tool_response_truncate_side, multi_turn.max_parallel_calls)
+        self.limits = ToolLimits.of(multi_turn)
         tools = resolve_tools(multi_turn.tools, multi_turn.tool_config_path)
         self.tools = [t.schema() for t in tools]
         self.environment: Environment = load_environment(multi_turn.environment)(tools, self.limits)
