@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from backend.core.models import load_model, load_tokenizer
+from backend.envs.environment import Environment, Step
 from backend.kernels import decode_attention
 from backend.rollout.base import HFGenerateEngine, SamplingParams
+from backend.rollout.episodes import ChatRenderer, TurnLimits, play_episodes, run_episodes
 from backend.rollout.static_cache import StaticCacheEngine
 
 pytest.importorskip("triton", reason="the kernel is written in Triton (installed with the dev extra)")
@@ -66,3 +68,28 @@ def test_the_engine_on_the_kernel_samples_what_hugging_face_generate_does():
     expected = HFGenerateEngine(model, tokenizer, batch_size=5).generate(prompts, params, first_row=2)
     assert torch.equal(got.responses, expected.responses)
     assert got.finish_reasons == expected.finish_reasons
+
+
+class _Replies(Environment):
+    def step(self, assistant_text):
+        return Step(observation=[{"role": "user", "content": "Go on, please."}])
+
+
+def test_episodes_on_the_kernel_append_each_turn_to_the_cache_as_a_whole_prefill_would_give():
+    # Each row's slot is its own: rows of different lengths decode side by side, and a finished episode's
+    # row starts the next one from slot 0.
+    model = load_model("tiny-qwen3", torch.device("cpu")).eval()
+    tokenizer = load_tokenizer("tiny-qwen3")
+    engine = StaticCacheEngine(model, tokenizer, 2, torch.device("cpu"), torch.float32, max_len=64,
+                               free_after_generate=False)
+    engine.kernel_attention = True
+    engine.load_weights(model)
+    renderer = ChatRenderer(tokenizer, [], [tokenizer.eos_token_id])
+    rows = [{"messages": [{"role": "user", "content": q}]} for q in ("2 + 3 =", "what is 7 - 4? Think first.", "9?")]
+    params = SamplingParams(n=1, max_new_tokens=120, ignore_eos=True, seed=2)
+    limits = TurnLimits(120, 3, 3, 5.0, max_tokens_per_turn=7)
+    kept = play_episodes(engine, tokenizer, renderer, [_Replies() for _ in rows], rows, params, limits)
+    whole = run_episodes(HFGenerateEngine(model, tokenizer).generate, tokenizer, renderer,
+                         [_Replies() for _ in rows], rows, params, limits)
+    assert [e.ids for e in kept] == [e.ids for e in whole]
+    assert [e.assistant_turns for e in kept] == [3, 3, 3]

@@ -20,6 +20,7 @@ from backend.rollout.episodes import (
     TurnLimits,
     episode_batch,
     episode_metrics,
+    play_episodes,
     run_episodes,
 )
 
@@ -48,8 +49,8 @@ class Recording:
         self.engine = engine
         self.calls = []
 
-    def __call__(self, prompts, params):
-        out = self.engine.generate(prompts, params)
+    def __call__(self, prompts, params, row_ids):
+        out = self.engine.generate(prompts, params, row_ids=row_ids)
         self.calls.append((prompts, out))
         return out
 
@@ -200,3 +201,45 @@ def test_max_tokens_per_turn_cuts_a_turn_and_with_ignore_eos_every_turn_runs_to_
     reply = len(renderer.observation([{"role": "user", "content": "Go on."}]))
     assert (fixed.assistant_turns, fixed.finish_reason) == (3, MAX_TURNS)
     assert fixed.mask == [1] * 10 + [0] * reply + [1] * 10 + [0] * reply + [1] * 10
+
+
+def _workbench(engine, batch_size: int):
+    from backend.rollout.static_cache import StaticCacheEngine
+
+    workbench = StaticCacheEngine(engine.model, engine.tokenizer, batch_size=batch_size, device=torch.device("cpu"),
+                                  dtype=torch.float32, max_len=64, cuda_graphs=False, free_after_generate=False)
+    workbench.load_weights(engine.model)
+    return workbench
+
+
+def test_episodes_kept_in_the_workbench_engines_cache_are_the_lockstep_episodes_token_for_token(engine):
+    # Two cache rows for five episodes that end after one, two or three turns: rows are at different turns
+    # at once, a finished episode's row takes a waiting one, and every next turn is appended to its row's
+    # cache. Sampled at temperature 1, any difference in the logits would show as a different token.
+    tokenizer = engine.tokenizer
+    renderer = ChatRenderer(tokenizer, [get_tool("calculator")], [tokenizer.eos_token_id])
+    envs = lambda: [_calculator_env(), Done(), _calculator_env(), Replies(), Done()]  # noqa: E731
+    rows = _rows(["What is 55 + 1?", "What is 8 + 1?", "What is 30 + 4?", "What is 2 + 2?", "What is 7 + 7?"])
+    params = SamplingParams(n=1, max_new_tokens=400, seed=3)
+    limits = TurnLimits(400, 3, 5, 5.0)
+    lockstep = run_episodes(engine.generate, tokenizer, renderer, envs(), rows, params, limits, first_row=4)
+    timings = {}
+    kept = play_episodes(_workbench(engine, 2), tokenizer, renderer, envs(), rows, params, limits, first_row=4,
+                         timings=timings)
+    assert [e.ids for e in kept] == [e.ids for e in lockstep]
+    assert [e.mask for e in kept] == [e.mask for e in lockstep]
+    assert [e.finish_reason for e in kept] == [e.finish_reason for e in lockstep]
+    assert sorted({e.assistant_turns for e in kept}) == [1, 3]
+    assert timings["timing_s/tools"] >= 0.0
+
+
+def test_a_turn_cut_by_max_tokens_per_turn_goes_on_in_the_cache_as_in_lockstep(engine):
+    tokenizer = engine.tokenizer
+    renderer = ChatRenderer(tokenizer, [], [tokenizer.eos_token_id])
+    limits = TurnLimits(200, 4, 5, 5.0, max_tokens_per_turn=9)
+    params = SamplingParams(n=1, max_new_tokens=200, ignore_eos=True, seed=1)
+    rows = _rows(["What is 55 + 1?", "What is 8 + 1?", "What is 3 + 1?"])
+    lockstep = run_episodes(engine.generate, tokenizer, renderer, [Replies() for _ in rows], rows, params, limits)
+    kept = play_episodes(_workbench(engine, 3), tokenizer, renderer, [Replies() for _ in rows], rows, params, limits)
+    assert [e.ids for e in kept] == [e.ids for e in lockstep]
+    assert [(e.assistant_turns, e.finish_reason) for e in kept] == [(4, MAX_TURNS)] * 3

@@ -54,7 +54,7 @@ def multi_turn_overrides(sums, tool_model, env_file, **extra):
         "actor_rollout_ref.rollout.multi_turn.tools": "[calculator]",
         "actor_rollout_ref.rollout.multi_turn.environment": f"{env_file}:Graded",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 3,
-        "actor_rollout_ref.rollout.name": "hf", "trainer.total_training_steps": 1, "trainer.test_freq": 1,
+        "actor_rollout_ref.rollout.name": "workbench", "trainer.total_training_steps": 1, "trainer.test_freq": 1,
         **extra})
 
 
@@ -105,10 +105,11 @@ def test_the_token_log_marks_observation_tokens_inside_an_episode_as_not_sampled
     assert all(a == 0 for a, s in zip(row["advantage"], row["sampled"], strict=True) if not s)
 
 
-def test_ppo_with_a_critic_trains_on_episodes(tmp_path, sums, tool_model, env_file, grpo_run):
+def test_ppo_with_a_critic_trains_on_episodes_from_hugging_face_generate(tmp_path, sums, tool_model, env_file,
+                                                                         grpo_run):
     run_dir = tmp_path / "ppo"
     cfg = load_config(None, multi_turn_overrides(sums, tool_model, env_file, **{
-        "algorithm.adv_estimator": "gae", "trainer.val_before_train": False, "trainer.test_freq": 0}))
+        "algorithm.adv_estimator": "gae", "actor_rollout_ref.rollout.name": "hf", "trainer.val_before_train": False, "trainer.test_freq": 0}))
     Trainer(cfg, run_dir, show_progress=False).train()
     (m,) = read_metrics(run_dir)
     assert math.isfinite(m["critic/vf_loss"]) and math.isfinite(m["actor/pg_loss"])

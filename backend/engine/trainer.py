@@ -42,20 +42,14 @@ from backend.engine.rank import MarkedRows, freeze_heap
 from backend.engine.step_log import TableWriter, rollout_rows, token_rows
 from backend.engine.step_metrics import batch_metrics, stats, summary_line, timer
 from backend.engine.worker_group import WorkerError, WorkerGroup, start_ray
-from backend.envs.environment import ToolLimits, load_environment
-from backend.envs.tools import resolve_tools
 from backend.rewards.registry import load_custom_reward
 from backend.rewards.scoring import ScoredBatch, concat_scored, from_scores, score_batch, weighted_sum
 from backend.rollout.base import RolloutBatch, SamplingParams, concat_rows
 from backend.rollout.episodes import (
-    ChatRenderer,
     Episode,
-    TurnLimits,
-    end_of_turn_ids,
     episode_batch,
     episode_metrics,
     first_tool_error,
-    run_episodes,
 )
 
 T = TypeVar("T")
@@ -143,11 +137,6 @@ class Trainer:
         if cfg.custom_reward_function.path:
             self.custom_fn = load_custom_reward(cfg.custom_reward_function.path,
                                                         cfg.custom_reward_function.name)
-        mt = arr.rollout.multi_turn
-        if mt.enable:
-            self.tools = resolve_tools(mt.tools, mt.tool_config_path)
-            self.environment = load_environment(mt.environment)
-            self.renderer = ChatRenderer(self.tokenizer, self.tools, end_of_turn_ids(self.tokenizer, arr.model.path))
         ckpt = self._resume_point()
         if ckpt is not None and resume_problems(cfg, ckpt):
             raise ConfigError(resume_problems(cfg, ckpt))
@@ -429,14 +418,11 @@ class Trainer:
 
     def _episodes(self, rows: list[dict], params: SamplingParams, timings: dict[str, float] | None = None
                   ) -> list[Episode]:
-        """One episode per row, each with its own environment."""
-        mt = self.cfg.actor_rollout_ref.rollout.multi_turn
-        limits = ToolLimits.of(mt)
-        turn_limits = TurnLimits(self.cfg.data.max_response_length, mt.max_assistant_turns, mt.max_user_turns,
-                                 mt.tool_timeout_s * mt.max_parallel_calls, mt.max_tokens_per_turn)
-        envs = [self.environment(self.tools, limits) for _ in rows]
-        return run_episodes(self.rollout.generate, self.tokenizer, self.renderer, envs, rows, params, turn_limits,
-                            progress=lambda text: self.stage(text, force=True), timings=timings)
+        """One episode per row, each with its own environment, played on the ranks."""
+        episodes, waited = self.rollout.episodes(rows, params, progress=lambda text: self.stage(text, force=True))
+        if timings is not None:
+            timings["timing_s/tools"] = timings.get("timing_s/tools", 0.0) + waited
+        return episodes
 
     def _wait(self, scoring: concurrent.futures.Future) -> tuple[list[str], ScoredBatch]:
         if not scoring.done():

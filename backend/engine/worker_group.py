@@ -30,6 +30,7 @@ from backend.core.config import Config, to_dict, uses_critic
 from backend.engine import distributed
 from backend.engine.rank import MarkedRows, concat_marked, step_counts
 from backend.rollout.base import RolloutBatch, SamplingParams, left_pad, right_pad
+from backend.rollout.episodes import Episode
 
 Batch = dict[str, torch.Tensor]
 
@@ -367,6 +368,15 @@ class WorkerGroup:
             responses=responses, response_mask=response_mask,
             prompt_index=torch.arange(len(prompts)).repeat_interleave(params.n),
             finish_reasons=[f for p in parts for f in p["finish_reasons"]], rollout_log_probs=rollout_log_probs)
+
+    def episodes(self, rows: list[dict], params: SamplingParams, progress=None) -> tuple[list[Episode], float]:
+        """One episode per row, each rank playing a contiguous share (the environments run on the ranks);
+        and the longest any rank's generation waited on environments, in seconds."""
+        shares = _split_counts(len(rows), self.world_size)
+        starts = [sum(shares[:r]) for r in range(self.world_size)]
+        args = [(rows[s:s + c], params, s) for s, c in zip(starts, shares, strict=True)]
+        parts = self._each("episodes", args, "episodes", progress)
+        return [e for episodes, _ in parts for e in episodes], max(waited for _, waited in parts)
 
     def compute_log_prob(self, batch: Batch, progress=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, R) log-probs under the current policy and the entropy, rows split evenly over the ranks."""

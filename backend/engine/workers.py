@@ -35,7 +35,8 @@ from backend.engine.rank import (
     to_device,
 )
 from backend.rollout import static_cache
-from backend.rollout.base import HFGenerateEngine, SamplingParams, eos_ids_of
+from backend.rollout.base import HFGenerateEngine, RolloutBatch, SamplingParams, eos_ids_of
+from backend.rollout.episodes import Episode, EpisodeSetup, play_episodes, run_episodes
 from backend.rollout.vllm_engine import VLLMEngine
 
 Batch = dict[str, torch.Tensor]
@@ -93,6 +94,7 @@ class ActorRolloutRefWorker(RankWorker):
                                     compile_layers=compile_layers, per_layer=not self.ref_gather_once)
         self.tokenizer = load_tokenizer(arr.model.path, arr.model.tokenizer_path)
         self.rollout = self._rollout_engine(dtype)
+        self.episode_setup = EpisodeSetup.of(self.cfg, self.tokenizer) if arr.rollout.multi_turn.enable else None
         self.temperature = arr.rollout.temperature
         self.compiled = compile_layers
         self.clip_low, self.clip_high = arr.actor.clip_range()
@@ -151,6 +153,38 @@ class ActorRolloutRefWorker(RankWorker):
         if batch.rollout_log_probs is not None:
             out["rollout_log_probs"] = batch.rollout_log_probs
         return out
+
+    @torch.no_grad()
+    def episodes(self, rows: list[dict], params: SamplingParams, first_row: int) -> tuple[list[Episode], float]:
+        """Episodes from this rank's rows (the environments run here, next to the engine), sampled with the
+        current weights, and the seconds generation waited on environments (timing_s/tools). The
+        workbench engine keeps each episode in its cache; the others take each turn's whole prefix."""
+        self._progress = ()
+        if not rows:
+            return [], 0.0
+        setup = self.episode_setup
+        envs = setup.environments(len(rows))
+        report = lambda text: self._report("episodes", text)  # noqa: E731
+        timings: dict[str, float] = {}
+        args = (self.tokenizer, setup.renderer, envs, rows, params, setup.limits, first_row, report, timings)
+        with self._phase("gen"):
+            if isinstance(self.rollout, static_cache.StaticCacheEngine):
+                with distributed.unsharded(self.actor):
+                    self.rollout.load_weights(lora.unwrap(self.actor))
+                episodes = play_episodes(self.rollout, *args)
+            elif isinstance(self.rollout, VLLMEngine):
+                episodes = run_episodes(self._vllm_turn, *args)
+            else:
+                with distributed.unsharded(self.actor):
+                    episodes = run_episodes(self.rollout.generate, *args)
+        return episodes, timings.get("timing_s/tools", 0.0)
+
+    def _vllm_turn(self, prompts: list[list[int]], params: SamplingParams, row_ids: list[int]) -> RolloutBatch:
+        """One lockstep turn on vLLM, pushing the weights first when its sleep mode dropped them."""
+        if not self.rollout.loaded:
+            with distributed.unsharded(self.actor):
+                self.rollout.load_weights(lora.unwrap(self.actor))
+        return self.rollout.generate(prompts, params, row_ids=row_ids)
 
     # ---- log-probs ----
 

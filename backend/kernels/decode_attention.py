@@ -41,16 +41,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      v_new: torch.Tensor, valid: torch.Tensor, slot: torch.Tensor, out: torch.Tensor | None = None,
                      block: int = BLOCK_SLOTS, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
                      pipelined: bool = PIPELINED) -> torch.Tensor:
-    """Write each row's newest key and value into cache slot slot[0], then softmax(q k^T / sqrt(D)) v for
-    one query position per row, over cache slots [0, slot[0]] that `valid` marks, each KV head serving
-    its g query heads.
+    """Write each row's newest key and value into its cache slot slot[row], then softmax(q k^T / sqrt(D)) v
+    for one query position per row, over that row's cache slots [0, slot[row]] that `valid` marks, each KV
+    head serving its g query heads.
 
     q: (b, kv_heads, g, D); k_cache, v_cache: (rows >= b, kv_heads, slots, D), written in place;
-    k_new, v_new: (b, kv_heads, D); valid: (rows >= b, slots) bool; slot: (1,) int64 on the device (read
-    by the kernel, so a captured graph replays correctly as it advances). Every row must have at least
-    one valid slot in range. Returns (b, kv_heads, g, D) in q's dtype (written into `out` when given).
-    block, num_warps, num_stages and pipelined (a for loop rather than a while loop) tune the kernel;
-    the defaults are the fastest measured.
+    k_new, v_new: (b, kv_heads, D); valid: (rows >= b, slots) bool; slot: (b,) int64 on the device, or (1,)
+    for one slot for all rows (read by the kernel, so a captured graph replays correctly as it advances).
+    Every row must have at least one valid slot in range. Returns (b, kv_heads, g, D) in q's dtype
+    (written into `out` when given). block, num_warps, num_stages and pipelined (a for loop rather than a
+    while loop) tune the kernel; the defaults are the fastest measured.
     """
     b, n_kv, g, d = q.shape
     if d & (d - 1) or d < 16:
@@ -59,6 +59,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError("decode_attention needs the last dimension of q, the caches, the new key and value "
                          "and valid contiguous")
     out = torch.empty_like(q) if out is None else out
+    slot = slot.expand(b)  # one slot for all rows reads slot[0] everywhere (stride 0)
     # Imported on first use: Triton is only on GPU machines (and in the tests, through its interpreter).
     from backend.kernels.decode_attention_triton import decode_attention_kernel
 
@@ -68,7 +69,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        valid.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        valid.stride(0), slot.stride(0), out.stride(0), out.stride(1), out.stride(2),
         G=g, G_PAD=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK=block,
         PIPELINED=pipelined and os.environ.get("TRITON_INTERPRET") != "1", num_warps=num_warps,
         num_stages=num_stages)

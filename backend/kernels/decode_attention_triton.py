@@ -35,7 +35,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr, valid_ptr
                             stride_kb, stride_kh, stride_ks,
                             stride_vb, stride_vh, stride_vs,
                             stride_knb, stride_knh, stride_vnb, stride_vnh,
-                            stride_valid_b, stride_ob, stride_oh, stride_og,
+                            stride_valid_b, stride_slot, stride_ob, stride_oh, stride_og,
                             G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                             PIPELINED: tl.constexpr):
     row = tl.program_id(0)
@@ -44,7 +44,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr, valid_ptr
     d = tl.arange(0, D)
     q = tl.load(q_ptr + row * stride_qb + head * stride_qh + g[:, None] * stride_qg + d[None, :],
                 mask=g[:, None] < G, other=0.0)
-    newest = tl.load(slot_ptr).to(tl.int32)
+    newest = tl.load(slot_ptr + row * stride_slot).to(tl.int32)
     # The newest key and value go into the cache here (one kernel instead of two copies a layer) and are
     # attended from registers: the loop below reads the slots before them, so no program reads back
     # what another thread of it has just stored.

@@ -34,6 +34,17 @@ class SamplingParams:
 
 
 @dataclass
+class Turn:
+    """One turn of an episode for an engine that keeps episodes in its cache (StaticCacheEngine.play): the
+    ids to append before it samples (the prompt, then each observation), at most max_new_tokens sampled,
+    drawn with this seed."""
+
+    ids: list[int]
+    max_new_tokens: int
+    seed: int
+
+
+@dataclass
 class RolloutBatch:
     input_ids: torch.Tensor       # (B, P + R)
     attention_mask: torch.Tensor  # (B, P + R)
@@ -309,13 +320,13 @@ class HFGenerateEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, progress=None,
-                 first_row: int = 0) -> RolloutBatch:
+                 first_row: int = 0, row_ids: list[int] | None = None) -> RolloutBatch:
         """`first_row` is the global id of this call's first row (prompt-major, n rows per prompt): the
         key of each row's random draws, so a worker given a slice of the batch samples what one worker
-        given the whole batch would."""
+        given the whole batch would; or `row_ids`, each row's (episodes' turns key rows by episode)."""
         device = self.device or next(self.model.parameters()).device
         rows = [p for p in prompts for _ in range(params.n)]
-        row_ids = torch.arange(first_row, first_row + len(rows))
+        row_ids = torch.tensor(row_ids) if row_ids is not None else torch.arange(first_row, first_row + len(rows))
         prompt_ids, prompt_mask = left_pad(rows, self.pad_id)
         was_training = self.model.training
         self.model.eval()

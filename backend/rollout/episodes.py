@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 from backend.core.models import resolve_model
-from backend.envs.environment import Environment, Step
+from backend.envs.environment import Environment, Step, ToolLimits, load_environment
 from backend.envs.tool_calls import call_with_timeout, tools_prompt
-from backend.envs.tools import Tool
-from backend.rollout.base import RolloutBatch, SamplingParams, left_pad, right_pad
+from backend.envs.tools import Tool, resolve_tools
+from backend.rollout.base import RolloutBatch, SamplingParams, Turn, left_pad, right_pad
 
 # How an episode ended (its finish_reason in the rollout table): the model stopped and the environment
 # said done; the token budget ran out; the turn limits were reached; the environment failed.
@@ -134,43 +134,159 @@ class TurnLimits:
     max_tokens_per_turn: int = 0  # 0: what is left of max_response_length
 
 
-def run_episodes(generate: Callable[[list[list[int]], SamplingParams], RolloutBatch], tokenizer,
+@dataclass
+class EpisodeSetup:
+    """What every episode of a run shares, from actor_rollout_ref.rollout.multi_turn: the environment class,
+    its tools and their limits, the chat renderer, the turn limits."""
+
+    environment: type[Environment]
+    tools: list[Tool]
+    tool_limits: ToolLimits
+    renderer: ChatRenderer
+    limits: TurnLimits
+
+    @classmethod
+    def of(cls, cfg, tokenizer) -> EpisodeSetup:
+        mt = cfg.actor_rollout_ref.rollout.multi_turn
+        tools = resolve_tools(mt.tools, mt.tool_config_path)
+        renderer = ChatRenderer(tokenizer, tools, end_of_turn_ids(tokenizer, cfg.actor_rollout_ref.model.path))
+        limits = TurnLimits(cfg.data.max_response_length, mt.max_assistant_turns, mt.max_user_turns,
+                            mt.tool_timeout_s * mt.max_parallel_calls, mt.max_tokens_per_turn)
+        return cls(load_environment(mt.environment), tools, ToolLimits.of(mt), renderer, limits)
+
+    def environments(self, n: int) -> list[Environment]:
+        """A fresh environment for each of n episodes."""
+        return [self.environment(self.tools, self.tool_limits) for _ in range(n)]
+
+
+def run_episodes(generate: Callable[..., RolloutBatch], tokenizer,
                  renderer: ChatRenderer, envs: list[Environment], rows: list[dict], params: SamplingParams,
-                 limits: TurnLimits, progress: Callable[[str], None] | None = None,
+                 limits: TurnLimits, first_row: int = 0, progress: Callable[[str], None] | None = None,
                  timings: dict[str, float] | None = None) -> list[Episode]:
-    """Run one episode per (env, row) pair: `rows[i]` is the data row episode i starts from (reset), and
-    `generate(prefixes, params)` samples one response per prefix (n = 1). Turn k's draws use seed
-    params.seed + k * 7919, so episodes are reproducible on any number of workers. `timings` gets
-    timing_s/tools: the wall time of the environment steps (all episodes of a turn step at once)."""
-    episodes = [_start(env, row, renderer) for env, row in zip(envs, rows, strict=True)]
-    for turn in range(limits.max_assistant_turns):
-        active = [i for i, e in enumerate(episodes) if not e.done]
-        if not active:
-            break
-        if progress:
-            progress(f"turn {turn + 1}: generating for {len(active)} of {len(episodes)} episodes")
-        budget = max(limits.max_response_length - len(episodes[i].ids) for i in active)
-        if limits.max_tokens_per_turn:
-            budget = min(budget, limits.max_tokens_per_turn)
-        out = generate([episodes[i].prompt_ids + episodes[i].ids for i in active],
-                       dataclasses.replace(params, n=1, max_new_tokens=budget, seed=params.seed + turn * 7919))
-        texts = {}
-        for row, i in enumerate(active):
-            texts[i] = _append_sampled(episodes[i], out, row, limits, params.ignore_eos, tokenizer)
-        stepping = [i for i in active if not episodes[i].done]
-        if progress and stepping:
-            progress(f"turn {turn + 1}: environment steps for {len(stepping)} episodes")
+    """Run one episode per (env, row) pair in lockstep turns, for engines that take whole prompts: `rows[i]`
+    is the data row episode i starts from (reset), and each turn `generate(prefixes, params, row_ids=...)`
+    samples one response per unfinished episode's whole prefix, the row of episode i keyed
+    first_row + i. Turn k's draws use seed params.seed + k * 7919, so episodes are the same on any
+    number of workers, and the same as `play_episodes` gives. `timings` gets timing_s/tools: the wall
+    time of the environment steps (all episodes of a turn step at once)."""
+    turns = _Turns(tokenizer, renderer, envs, rows, params, limits)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, max(len(envs), 1))) as pool:
+        for turn in range(limits.max_assistant_turns):
+            active = [i for i, e in enumerate(turns.episodes) if not e.done]
+            if not active:
+                break
+            if progress:
+                progress(f"turn {turn + 1}: generating for {len(active)} of {len(envs)} episodes")
+            caps = {i: turns.next_turn(i).max_new_tokens for i in active}
+            out = generate([turns.episodes[i].prompt_ids + turns.episodes[i].ids for i in active],
+                           dataclasses.replace(params, n=1, max_new_tokens=max(caps.values()),
+                                               seed=turns.seed(turn)), row_ids=[first_row + i for i in active])
+            texts = {}
+            for row, i in enumerate(active):
+                n = int(out.response_mask[row].sum())
+                sampled = out.responses[row, :n][:caps[i]].tolist()
+                log_probs = None if out.rollout_log_probs is None else \
+                    out.rollout_log_probs[row, :len(sampled)].tolist()
+                stopped = out.finish_reasons[row] == "stop" and len(sampled) == n
+                text = turns.end_turn(i, sampled, stopped, log_probs)
+                if text is not None:
+                    texts[i] = text
+            if progress and texts:
+                progress(f"turn {turn + 1}: environment steps for {len(texts)} episodes")
+            start = time.perf_counter()
+            list(pool.map(turns.step, texts, texts.values()))
+            if timings is not None:
+                timings["timing_s/tools"] = timings.get("timing_s/tools", 0.0) + time.perf_counter() - start
+    return turns.finished()
+
+
+def play_episodes(engine, tokenizer, renderer: ChatRenderer, envs: list[Environment], rows: list[dict],
+                  params: SamplingParams, limits: TurnLimits, first_row: int = 0,
+                  progress: Callable[[str], None] | None = None, timings: dict[str, float] | None = None
+                  ) -> list[Episode]:
+    """`run_episodes` on an engine that keeps each episode in its cache (StaticCacheEngine.play): the same
+    episodes, token for token, but an episode's environment steps while the other rows go on
+    decoding, and its next turn is appended to its cache instead of its prefix being prefilled again.
+    `timings` gets timing_s/tools: the time the engine had no row to decode, waiting on environments."""
+    turns = _Turns(tokenizer, renderer, envs, rows, params, limits)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, max(len(envs), 1))) as pool:
+        def end_turn(i: int, sampled: list[int], stopped: bool) -> concurrent.futures.Future:
+            text = turns.end_turn(i, sampled, stopped, None)
+            if text is not None:
+                return pool.submit(turns.step, i, text)
+            over: concurrent.futures.Future = concurrent.futures.Future()
+            over.set_result(None)
+            return over
+
+        report = None if progress is None else (lambda finished, total: progress(
+            f"episodes: {finished} of {total} finished"))
+        waited = engine.play([turns.first_turn(i) for i in range(len(envs))], dataclasses.replace(params, n=1),
+                             end_turn, limits.max_response_length, progress=report, first_row=first_row)
+    if timings is not None:
+        timings["timing_s/tools"] = timings.get("timing_s/tools", 0.0) + waited
+    return turns.finished()
+
+
+class _Turns:
+    """What both drivers do at a turn's end, per episode: append the sampled ids, step the environment,
+    append its observation, and say what the next turn may sample."""
+
+    def __init__(self, tokenizer, renderer: ChatRenderer, envs: list[Environment], rows: list[dict],
+                 params: SamplingParams, limits: TurnLimits):
+        self.tokenizer, self.renderer, self.envs = tokenizer, renderer, envs
+        self.params, self.limits = params, limits
+        self.episodes = [_start(env, row, renderer) for env, row in zip(envs, rows, strict=True)]
+
+    def seed(self, turn: int) -> int:
+        return self.params.seed + turn * 7919
+
+    def next_turn(self, i: int, ids: list[int] | None = None) -> Turn:
+        """Episode i's next turn: `ids` to append first, its budget (what is left of max_response_length,
+        at most max_tokens_per_turn) and the seed of its turn."""
+        e = self.episodes[i]
+        budget = self.limits.max_response_length - len(e.ids)
+        if self.limits.max_tokens_per_turn:
+            budget = min(budget, self.limits.max_tokens_per_turn)
+        return Turn(ids or [], budget, self.seed(e.assistant_turns))
+
+    def first_turn(self, i: int) -> Turn | None:
+        e = self.episodes[i]
+        return None if e.done else self.next_turn(i, e.prompt_ids)
+
+    def end_turn(self, i: int, sampled: list[int], stopped: bool, log_probs: list[float] | None) -> str | None:
+        """Append the engine's sampled ids as they are (`stopped`: the last is the end-of-turn token);
+        the assistant's text for the environment, or None when the episode ended (out of budget; with
+        ignore_eos a turn that filled max_tokens_per_turn is whole and the episode goes on)."""
+        e, limits = self.episodes[i], self.limits
+        room = limits.max_response_length - len(e.ids)
+        e.ids += sampled
+        e.mask += [1] * len(sampled)
+        e.log_probs += log_probs if log_probs is not None else [0.0] * len(sampled)
+        e.assistant_turns += 1
+        fixed_length = self.params.ignore_eos and len(sampled) == limits.max_tokens_per_turn and len(sampled) < room
+        text = self.tokenizer.decode(sampled[:-1] if stopped else sampled, skip_special_tokens=True)
+        e.turns.append({"role": "assistant", "text": text, "tokens": len(sampled)})
+        if not (stopped or fixed_length):
+            e.finish_reason = LENGTH
+            return None
+        return text
+
+    def step(self, i: int, text: str) -> Turn | None:
+        """Episode i's environment step on the assistant's text: its next turn (the observation's ids to
+        append), or None when the episode ended."""
+        e = self.episodes[i]
         start = time.perf_counter()
-        steps = _step_all([envs[i] for i in stepping], [texts[i] for i in stepping], limits.step_timeout_s)
-        if timings is not None:
-            timings["timing_s/tools"] = timings.get("timing_s/tools", 0.0) + time.perf_counter() - start
-        for i, (step, error, seconds) in zip(stepping, steps, strict=True):
-            last_turn = turn + 1 == limits.max_assistant_turns
-            _apply_step(episodes[i], step, error, seconds, renderer, limits, last_turn)
-    for e in episodes:
-        if not e.ids:  # the environment failed before the model wrote anything: one masked token keeps the row
-            e.ids, e.mask, e.log_probs = [renderer.end_ids[0]], [0], [0.0]
-    return episodes
+        step, error = _step(self.envs[i], text, self.limits.step_timeout_s)
+        before = len(e.ids)
+        _apply_step(e, step, error, time.perf_counter() - start, self.renderer, self.limits,
+                    e.assistant_turns >= self.limits.max_assistant_turns)
+        return None if e.done else self.next_turn(i, e.ids[before:])
+
+    def finished(self) -> list[Episode]:
+        for e in self.episodes:
+            if not e.ids:  # the environment failed before the model wrote anything: one masked token keeps the row
+                e.ids, e.mask, e.log_probs = [self.renderer.end_ids[0]], [0], [0.0]
+        return self.episodes
 
 
 def _start(env: Environment, row: dict, renderer: ChatRenderer) -> Episode:
@@ -184,45 +300,16 @@ def _start(env: Environment, row: dict, renderer: ChatRenderer) -> Episode:
     return Episode(ids, text)
 
 
-def _append_sampled(e: Episode, out: RolloutBatch, row: int, limits: TurnLimits, ignore_eos: bool, tokenizer) -> str:
-    """Append the engine's sampled tokens for this row as they are; end the episode if they ran out of budget
-    (with ignore_eos, a turn that filled max_tokens_per_turn is whole and the episode goes on)."""
-    n = int(out.response_mask[row].sum())
-    room = limits.max_response_length - len(e.ids)
-    sampled = out.responses[row, :n][:room].tolist()
-    log_probs = out.rollout_log_probs[row, :len(sampled)].tolist() if out.rollout_log_probs is not None else \
-        [0.0] * len(sampled)
-    e.ids += sampled
-    e.mask += [1] * len(sampled)
-    e.log_probs += log_probs
-    e.assistant_turns += 1
-    ended = out.finish_reasons[row] == "stop" and len(sampled) == n  # it sampled its end-of-turn token
-    fixed_length = ignore_eos and len(sampled) == limits.max_tokens_per_turn and len(sampled) < room
-    text = tokenizer.decode(sampled[:-1] if ended else sampled, skip_special_tokens=True)
-    e.turns.append({"role": "assistant", "text": text, "tokens": len(sampled)})
-    if not (ended or fixed_length):
-        e.finish_reason = LENGTH
-    return text
-
-
-def _step_all(envs: list[Environment], texts: list[str], timeout_s: float
-              ) -> list[tuple[Step | None, str | None, float]]:
-    """Each environment's step on its text, all at once on threads (tools wait on processes and I/O); an
-    exception or a step past timeout_s is that episode's error."""
-    def one(env: Environment, text: str) -> tuple[Step | None, str | None, float]:
-        start = time.perf_counter()
-        value, error, timed_out = call_with_timeout(lambda: env.step(text), timeout_s)
-        seconds = time.perf_counter() - start
-        if timed_out:
-            return None, f"step did not return within {timeout_s:g} s", seconds
-        if error is not None:
-            return None, f"step raised {type(error).__name__}: {error}", seconds
-        if not isinstance(value, Step):
-            return None, f"step returned {type(value).__name__}, not a Step", seconds
-        return value, None, seconds
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, max(len(envs), 1))) as pool:
-        return list(pool.map(one, envs, texts))
+def _step(env: Environment, text: str, timeout_s: float) -> tuple[Step | None, str | None]:
+    """The environment's step on a thread: an exception or a step past timeout_s is the episode's error."""
+    value, error, timed_out = call_with_timeout(lambda: env.step(text), timeout_s)
+    if timed_out:
+        return None, f"step did not return within {timeout_s:g} s"
+    if error is not None:
+        return None, f"step raised {type(error).__name__}: {error}"
+    if not isinstance(value, Step):
+        return None, f"step returned {type(value).__name__}, not a Step"
+    return value, None
 
 
 def _apply_step(e: Episode, step: Step | None, error: str | None, seconds: float, renderer: ChatRenderer,

@@ -26,7 +26,11 @@ response token already generated.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +38,16 @@ import torch.nn.functional as F
 
 from backend.core.lora import effective_weight
 from backend.kernels import decode_attention
-from backend.rollout.base import RolloutBatch, SamplingParams, assemble, eos_ids_of, left_pad, sample_tokens
+from backend.rollout.base import (
+    RolloutBatch,
+    SamplingParams,
+    Turn,
+    assemble,
+    eos_ids_of,
+    left_pad,
+    right_pad,
+    sample_tokens,
+)
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SPAN = 32  # cache slots per attention bucket: each bucket is one captured graph
@@ -237,13 +250,17 @@ class StaticCacheEngine:
         return self._logits(x[:, -1])
 
     def _decode_step(self, s: dict, b: int, span: int, params: SamplingParams) -> None:
-        """One token for each of the first b rows, attending to cache slots [0, span): reads the state
-        tensors in `s` and advances them in place (graph-capturable: no host values change)."""
-        tok, pos, slot = s["tok"][:b], s["pos"][:b], s["slot"]
+        """One token for each unfinished row of the first b rows, each attending to its cache slots
+        [0, slot[row]] (within [0, span)): reads the state tensors in `s` and advances them in place
+        (graph-capturable: no host values change). A finished row holds still: it writes its last token's
+        key and value into the same slot again and keeps its counters, so its cache ends where its
+        tokens end and a next turn can be appended there (see `play`)."""
+        tok, pos, slot, t = s["tok"][:b], s["pos"][:b], s["slot"][:b], s["t"][:b]
+        index = s["index"][:b]
         cos, sin = self._rotary(pos)
         if not self.kernel_attention:
             slots = torch.arange(span, device=tok.device)
-            attend = (s["valid"][:b, :span] & (slots <= slot)).view(b, 1, 1, span)
+            attend = (s["valid"][:b, :span] & (slots <= slot.unsqueeze(1))).view(b, 1, 1, span)
         g = self.n_heads // self.n_kv
         x = F.embedding(tok, self.embed)
         for w, (kc, vc) in zip(self.layers, self.cache, strict=True):
@@ -253,20 +270,23 @@ class StaticCacheEngine:
             if self.kernel_attention:  # the kernel writes k and v into the cache itself
                 out = decode_attention.decode_attention(q, kc, vc, k, v, s["valid"], slot)
             else:
-                kc[:b].index_copy_(2, slot, k.unsqueeze(2))
-                vc[:b].index_copy_(2, slot, v.unsqueeze(2))
+                kc[index, :, slot] = k
+                vc[index, :, slot] = v
                 out = F.scaled_dot_product_attention(q, kc[:b, :, :span], vc[:b, :, :span], attn_mask=attend)
             x = self._decode_finish(w, x, out.flatten(1))
-        nxt = self._decode_sample(x, params, s["seed"], s["rows"][:b], s["t"])
+        nxt = self._decode_sample(x, params, s["seed"][:b], s["rows"][:b], t)
         done = s["done"][:b]
+        live = ~done
+        s["out"][index, t] = torch.where(live, nxt, self.pad_id)
+        tok.copy_(torch.where(live, nxt, tok))
+        moved = live.long()
+        pos.add_(moved)
+        slot.add_(moved)
+        t.add_(moved)
+        ended = t >= s["cap"][:b]
         if not params.ignore_eos:
-            nxt = torch.where(done, self.pad_id, nxt)
-            done |= torch.isin(nxt, s["eos"])
-        s["out"][:b].index_copy_(1, s["t"].view(1), nxt.unsqueeze(1))
-        tok.copy_(nxt)
-        pos.add_(1)
-        slot.add_(1)
-        s["t"].add_(1)
+            ended |= torch.isin(nxt, s["eos"])
+        done |= live & ended
 
     # ---- generation ----
 
@@ -281,8 +301,11 @@ class StaticCacheEngine:
             return torch.zeros(size, dtype=dtype, device=self.device)
 
         self.state = {
-            "tok": zeros(bsz), "pos": zeros(bsz), "slot": zeros(1), "t": zeros(), "seed": zeros(), "rows": zeros(bsz),
-            "done": zeros(bsz, dtype=torch.bool), "valid": zeros(bsz, slots, dtype=torch.bool),
+            # per row: the token to run, its position and cache slot, how many tokens its turn has
+            # sampled (t) and may sample (cap), the key of its draws (seed, rows), whether it finished
+            "tok": zeros(bsz), "pos": zeros(bsz), "slot": zeros(bsz), "t": zeros(bsz), "cap": zeros(bsz),
+            "seed": zeros(bsz), "rows": zeros(bsz), "done": zeros(bsz, dtype=torch.bool),
+            "index": torch.arange(bsz, device=self.device), "valid": zeros(bsz, slots, dtype=torch.bool),
             "out": zeros(bsz, slots),
             "eos": torch.tensor(self.eos_ids, dtype=torch.long, device=self.device),
         }
@@ -310,7 +333,7 @@ class StaticCacheEngine:
     def _capture(self, b: int, span: int, params: SamplingParams) -> torch.cuda.CUDAGraph:
         """Record one decode step; a warm-up run first (lazy kernel and workspace set-up must not happen
         during capture), with the step's state saved and put back so the warm-up leaves no trace."""
-        saved = {k: v.clone() for k, v in self.state.items() if k not in ("valid", "eos")}
+        saved = {k: v.clone() for k, v in self.state.items() if k not in ("valid", "eos", "index")}
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -325,11 +348,16 @@ class StaticCacheEngine:
             self._decode_step(self.state, b, span, params)
         return graph
 
+    def _ended(self, first: torch.Tensor, cap: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """Whether a turn whose first sampled token is `first` is over already."""
+        ended = cap <= 1
+        return ended if params.ignore_eos else ended | torch.isin(first, self.state["eos"])
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, progress=None,
-                 first_row: int = 0) -> RolloutBatch:
+                 first_row: int = 0, row_ids: list[int] | None = None) -> RolloutBatch:
         """n responses per prompt (rows prompt-major); `first_row` is the global id of the first row,
-        the key of its random draws (see HFGenerateEngine.generate)."""
+        the key of its random draws (see HFGenerateEngine.generate), or `row_ids` each row's."""
         if not self.layers:
             raise RuntimeError("StaticCacheEngine.generate before load_weights")
         rows = [p for p in prompts for _ in range(params.n)]
@@ -340,13 +368,14 @@ class StaticCacheEngine:
             self._allocate(slots)
         slots = self.cache[0][0].shape[2]
         s = self.state
+        keys = torch.tensor(row_ids) if row_ids is not None else torch.arange(first_row, first_row + len(rows))
         responses: list[torch.Tensor] = []
         for start in range(0, len(rows), self.batch_size):
             ids = prompt_ids[start:start + self.batch_size].to(self.device)
             mask = prompt_mask[start:start + self.batch_size].to(self.device)
             b = ids.shape[0]
-            s["rows"][:b].copy_(torch.arange(first_row + start, first_row + start + b))
-            s["seed"].fill_(params.seed)
+            s["rows"][:b].copy_(keys[start:start + b])
+            s["seed"][:b].fill_(params.seed)
             s["valid"][:b].fill_(True)
             s["valid"][:b, :p].copy_(mask.bool())
             s["out"][:b].fill_(self.pad_id)
@@ -354,9 +383,10 @@ class StaticCacheEngine:
             s["out"][:b, 0] = first
             s["tok"][:b].copy_(first)
             s["pos"][:b].copy_(mask.sum(-1))
-            s["slot"].fill_(p)
-            s["t"].fill_(1)
-            s["done"][:b] = False if params.ignore_eos else torch.isin(first, s["eos"])
+            s["slot"][:b].fill_(p)
+            s["t"][:b].fill_(1)
+            s["cap"][:b].fill_(r)
+            s["done"][:b] = self._ended(first, torch.full_like(first, r), params)
             made = 1
             while made < r:
                 if made % SYNC_EVERY == 0:
@@ -380,3 +410,145 @@ class StaticCacheEngine:
         if self.free_after_generate:
             self.release()
         return assemble(prompts, params.n, responses, self.eos_ids, self.pad_id, params.ignore_eos)
+
+    # ---- episodes ----
+
+    def _extend(self, rows: list[int], chunks: list[list[int]]) -> torch.Tensor:
+        """Append each chunk of token ids to its cache row (`rows[i]` gets `chunks[i]`) from the row's slot
+        and position on: the chunk's keys and values are written after what the row holds, its queries
+        attend to the row's cache and causally within the chunk, and nothing the row holds is computed
+        again. Returns the logits (k, V) after each chunk's last token."""
+        s = self.state
+        index = torch.tensor(rows, device=self.device)
+        lengths = torch.tensor([len(c) for c in chunks], device=self.device)
+        width = max(len(c) for c in chunks)
+        ids = right_pad([torch.tensor(c) for c in chunks], width, self.pad_id).to(self.device)
+        start_slot, start_pos = s["slot"][index], s["pos"][index]
+        offsets = torch.arange(width, device=self.device)
+        query_slots = start_slot.unsqueeze(1) + offsets  # (k, width)
+        real = offsets < lengths.unsqueeze(1)
+        span = int((start_slot + lengths).max())
+        # A query reads its row's written slots up to its own; a padding query (past its chunk's end)
+        # reads the same and is dropped, so no mask row is empty.
+        before = torch.arange(span, device=self.device) <= query_slots.unsqueeze(2)
+        allowed = s["valid"][index, :span].unsqueeze(1) & before
+        write_rows = index.unsqueeze(1).expand_as(real)[real]
+        write_slots = query_slots[real]
+        cos, sin = self._rotary(start_pos.unsqueeze(1) + offsets)
+        x = F.embedding(ids, self.embed)
+        for w, (kc, vc) in zip(self.layers, self.cache, strict=True):
+            q, k, v = self._qkv(w, x, cos, sin)
+            kc[write_rows, :, write_slots] = k[real]
+            vc[write_rows, :, write_slots] = v[real]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), kc[index, :, :span], vc[index, :, :span],
+                                                 attn_mask=allowed.unsqueeze(1), enable_gqa=self.n_kv != self.n_heads)
+            x = self._finish_layer(w, x, out.transpose(1, 2).flatten(-2))
+        s["slot"][index] = start_slot + lengths
+        s["pos"][index] = start_pos + lengths
+        return self._logits(x[torch.arange(len(rows), device=self.device), lengths - 1])
+
+    def _begin(self, starts: list[tuple[int, int, Turn, bool]], params: SamplingParams, first_row: int) -> None:
+        """Start a turn in each (cache row, episode, turn, whether the episode is new): a new episode's prompt
+        fills its row from slot 0 (what the row held before is never read again); a next turn's ids are
+        appended after the row's last sampled token, which goes first (a turn may end before a decode
+        step has written that token's key and value; writing them again changes nothing). Then each
+        row's first token of the turn is sampled."""
+        s = self.state
+        rows = [row for row, _, _, _ in starts]
+        index = torch.tensor(rows, device=self.device)
+        fresh = [row for row, _, _, new in starts if new]
+        if fresh:
+            at = torch.tensor(fresh, device=self.device)
+            s["slot"][at] = 0
+            s["pos"][at] = 0
+            s["valid"][at] = True
+        last = s["tok"][index].tolist()
+        chunks = [turn.ids if new else [last[i]] + turn.ids for i, (_, _, turn, new) in enumerate(starts)]
+        logits = self._extend(rows, chunks)
+        seeds = torch.tensor([turn.seed for _, _, turn, _ in starts], device=self.device)
+        keys = torch.tensor([first_row + episode for _, episode, _, _ in starts], device=self.device)
+        caps = torch.tensor([turn.max_new_tokens for _, _, turn, _ in starts], device=self.device)
+        first = sample_tokens(logits, params, seeds, keys, 0)
+        s["seed"][index], s["rows"][index], s["cap"][index] = seeds, keys, caps
+        s["out"][index, 0] = first
+        s["tok"][index] = first
+        s["t"][index] = 1
+        s["done"][index] = self._ended(first, caps, params)
+
+    @torch.no_grad()
+    def play(self, first_turns: list[Turn | None], params: SamplingParams, end_turn: Callable[[int, list[int], bool],
+             concurrent.futures.Future], most_tokens: int, progress=None, first_row: int = 0) -> float:
+        """Run episodes to their end, each in its own cache row for its whole life: episode i starts with
+        first_turns[i] (None: it has nothing to generate); when a turn ends, `end_turn(i, sampled ids,
+        stopped at EOS)` answers with a future of the episode's next turn (the observation ids to
+        append and its budget) or None when the episode is over. Rows decode while others wait for
+        their environment, so rows of the batch are at different turns at once; a next turn is appended
+        to the row's cache, so the prefix is never prefilled again; a finished episode's row takes the
+        next episode waiting. most_tokens bounds an episode's tokens after its prompt (the cache's size).
+        Draws are keyed by (turn.seed, first_row + i, position in the turn), as `generate` keys a row.
+        Returns the seconds it waited with no row to decode (every unfinished episode at its environment)."""
+        if not self.layers:
+            raise RuntimeError("StaticCacheEngine.play before load_weights")
+        waiting = collections.deque(i for i, turn in enumerate(first_turns) if turn is not None)
+        if not waiting:
+            return 0.0
+        slots = max(self.max_len, max(len(first_turns[i].ids) for i in waiting) + most_tokens)
+        if not self.cache or self.cache[0][0].shape[2] < slots:
+            self._allocate(slots)
+        slots = self.cache[0][0].shape[2]
+        s = self.state
+        b = min(self.batch_size, len(waiting))
+        s["done"][:b], s["slot"][:b], s["valid"][:b] = True, 0, True
+        free = list(range(b))
+        episode_of: dict[int, int] = {}  # cache row -> episode
+        pending: dict[int, concurrent.futures.Future] = {}  # cache row -> its turn's end being handled
+        starts: list[tuple[int, int, Turn, bool]] = []
+        finished, waited = 0, 0.0
+        while True:
+            while free and waiting:
+                episode = waiting.popleft()
+                row = free.pop()
+                episode_of[row] = episode
+                starts.append((row, episode, first_turns[episode], True))
+            if starts:
+                self._begin(starts, params, first_row)
+                starts = []
+            done = s["done"][:b].tolist()
+            running = [row for row in episode_of if not done[row] and row not in pending]
+            if running:
+                high = int(s["slot"][:b].max())
+                for _ in range(SYNC_EVERY):
+                    if self.kernel_attention:
+                        span = slots
+                    else:
+                        high += 1
+                        span = min(slots, math.ceil(high / SPAN) * SPAN) if self.cuda_graphs else min(slots, high)
+                    self._step(b, span, params)
+                done = s["done"][:b].tolist()
+            ended = [row for row in episode_of if done[row] and row not in pending]
+            if ended:
+                t = s["t"][:b].tolist()
+                out = s["out"][:b].to("cpu")
+                for row in ended:
+                    sampled = out[row, :t[row]].tolist()
+                    stopped = not params.ignore_eos and sampled[-1] in self.eos_ids
+                    pending[row] = end_turn(episode_of[row], sampled, stopped)
+            if not pending and not episode_of:
+                break
+            if not any(not done[row] for row in episode_of) and pending:
+                start = time.perf_counter()
+                concurrent.futures.wait(pending.values(), return_when=concurrent.futures.FIRST_COMPLETED)
+                waited += time.perf_counter() - start
+            for row in [r for r, f in pending.items() if f.done()]:
+                turn = pending.pop(row).result()
+                if turn is None:
+                    del episode_of[row]
+                    free.append(row)
+                    finished += 1
+                else:
+                    starts.append((row, episode_of[row], turn, False))
+            if progress is not None:
+                progress(finished, len(first_turns))
+        if self.free_after_generate:
+            self.release()
+        return waited

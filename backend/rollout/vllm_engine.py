@@ -71,12 +71,13 @@ def sampling_kwargs(params: SamplingParams, eos_ids: list[int], row: int) -> dic
 
 
 def vllm_requests(prompts: list[list[int]], params: SamplingParams, eos_ids: list[int],
-                  first_row: int = 0) -> list[tuple[dict, dict]]:
+                  first_row: int = 0, row_ids: list[int] | None = None) -> list[tuple[dict, dict]]:
     """(prompt, sampling kwargs) per response row: `params.n` rows per prompt, prompt-major as every engine
-    lays them out, row i of this call being global row first_row + i."""
+    lays them out, row i of this call being global row first_row + i (or row_ids[i])."""
     rows = [p for p in prompts for _ in range(params.n)]
-    return [({"prompt_token_ids": list(p)}, sampling_kwargs(params, eos_ids, first_row + i))
-            for i, p in enumerate(rows)]
+    keys = row_ids if row_ids is not None else range(first_row, first_row + len(rows))
+    return [({"prompt_token_ids": list(p)}, sampling_kwargs(params, eos_ids, key))
+            for p, key in zip(rows, keys, strict=True)]
 
 
 def hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -189,14 +190,14 @@ class VLLMEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, progress=None,
-                 first_row: int = 0) -> RolloutBatch:
+                 first_row: int = 0, row_ids: list[int] | None = None) -> RolloutBatch:
         """n responses per prompt (rows prompt-major), with `rollout_log_probs`; `first_row` is the global
-        id of the first row, the key of its seed (see row_seed)."""
+        id of the first row, the key of its seed (see row_seed), or `row_ids` each row's."""
         if not self.loaded:
             raise RuntimeError("VLLMEngine.generate before load_weights")
         from vllm import SamplingParams as VLLMSamplingParams
 
-        requests = vllm_requests(prompts, params, self.eos_ids, first_row)
+        requests = vllm_requests(prompts, params, self.eos_ids, first_row, row_ids)
         if progress is not None:
             progress(0, len(requests), 0, params.max_new_tokens)
         if not self.cache_awake:
