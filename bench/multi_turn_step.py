@@ -50,9 +50,6 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=64)
     p.add_argument("--rollout", default="auto", choices=("auto", "workbench", "hf", "vllm"))
     p.add_argument("--small", action="store_true", help="a 2-layer model and 4 x 4 x 32: checks the script on CPU")
-    p.add_argument("--keep-cache", action="store_true",
-                   help="a third row: multi-turn with rollout.free_cache_engine=false (the engine keeps its cache and "
-                        "graphs between turns instead of freeing them after each generation)")
     p.add_argument("--out", default=None)
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for both workloads")
     args = p.parse_intermixed_args()
@@ -87,10 +84,6 @@ def main() -> None:
     single_row = engine_step.measure("configs/default.yaml", common, args.steps, "single-turn", model_dir, label)
     rows_out = {"single-turn": single_row, f"{args.turns} turns": engine_step.measure(
         "configs/default.yaml", common + multi, args.steps, f"{args.turns} turns", model_dir, label)}
-    if args.keep_cache:
-        rows_out[f"{args.turns} turns, cache kept"] = engine_step.measure(
-            "configs/default.yaml", common + multi + ["actor_rollout_ref.rollout.free_cache_engine=false"], args.steps,
-            f"{args.turns} turns, cache kept", model_dir, label)
     table = {}
     for name, key in (("median step (s)", "median_step_s"), ("generate (s)", "median_gen_s"),
                       ("reference log-prob (s)", "median_ref_s"), ("old log-prob (s)", "median_old_log_prob_s"),

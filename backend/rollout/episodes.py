@@ -1,10 +1,12 @@
 """Multi-turn episodes: the model's turns alternate with an environment's (tool outputs, user messages)
 until the episode ends, and the trajectory stays token ids end to end.
 
-Each turn every unfinished episode's whole prefix goes to the rollout engine as a prompt (token ids in);
-the tokens it samples are appended as they came out (token ids out, never decoded and re-encoded), then
-the environment's answer is appended as the chat template's own rendering of those messages. The batch
-layout is the single-turn one (see backend.rollout.base) with one difference: inside a response,
+The tokens the engine samples are appended as they came out (token ids out, never decoded and re-encoded),
+then the environment's answer is appended as the chat template's own rendering of those messages. Two
+drivers play the same episodes: `play_episodes` on the workbench engine, which keeps each episode in a
+row of its KV cache and appends each observation there; `run_episodes` in lockstep turns for engines that
+take whole prompts (Hugging Face generate, vLLM), each turn's prompt being the episode's whole prefix. The
+batch layout is the single-turn one (see backend.rollout.base) with one difference: inside a response,
 `response_mask` is 0 on the tokens the policy did not sample (observations), which every loss and
 estimator skips, while `attention_mask` is 1 on them (the model reads them).
 

@@ -19,9 +19,11 @@ compares the two). Here:
 Sampling is `rollout.sample_tokens` keyed by (seed, global row id, position), so a row gets the same
 tokens here as from `HFGenerateEngine`, on any worker, in any batch.
 
-Cache slots of a batch: the prompt occupies slots [0, P) left-padded (P = longest prompt), response
-token t is written at slot P + t; a key is attended when its slot holds a real prompt token or a
-response token already generated.
+Cache slots of a batch (`generate`): the prompt occupies slots [0, P) left-padded (P = longest prompt),
+response token t is written at slot P + t; a key is attended when its slot holds a real prompt token or a
+response token already generated. Every row has its own slot counter, so in `play` (multi-turn episodes)
+a row holds one episode from slot 0 on, its prompt, turns and observations back to back, and decodes
+beside rows at other turns; an observation is appended by a prefill of its own tokens only.
 """
 
 from __future__ import annotations
