@@ -506,6 +506,7 @@ class StaticCacheEngine:
         pending: dict[int, concurrent.futures.Future] = {}  # cache row -> its turn's end being handled
         starts: list[tuple[int, int, Turn, bool]] = []
         finished, waited = 0, 0.0
+        window_s = 0.0  # how long the last decode window took
         while True:
             while free and waiting:
                 episode = waiting.popleft()
@@ -515,11 +516,14 @@ class StaticCacheEngine:
             if starts:
                 self._begin(starts, params, first_row)
                 starts = []
-            done = s["done"][:b].tolist()
+            done, t, cap, slot = torch.stack([s["done"][:b].long(), s["t"][:b], s["cap"][:b], s["slot"][:b]]).tolist()
             running = [row for row in episode_of if not done[row] and row not in pending]
             if running:
-                high = int(s["slot"][:b].max())
-                for _ in range(SYNC_EVERY):
+                # The window ends where the first running row's turn must end (exactly there with EOS ignored).
+                steps = max(1, min(SYNC_EVERY, *(cap[row] - t[row] for row in running)))
+                start = time.perf_counter()
+                high = max(slot)
+                for _ in range(steps):
                     if self.kernel_attention:
                         span = slots
                     else:
@@ -527,6 +531,7 @@ class StaticCacheEngine:
                         span = min(slots, math.ceil(high / SPAN) * SPAN) if self.cuda_graphs else min(slots, high)
                     self._step(b, span, params)
                 done = s["done"][:b].tolist()
+                window_s = time.perf_counter() - start
             ended = [row for row in episode_of if done[row] and row not in pending]
             if ended:
                 t = s["t"][:b].tolist()
@@ -540,6 +545,9 @@ class StaticCacheEngine:
             if not any(not done[row] for row in episode_of) and pending:
                 start = time.perf_counter()
                 concurrent.futures.wait(pending.values(), return_when=concurrent.futures.FIRST_COMPLETED)
+                # A decode step costs nearly the same for a few rows as for all: rows whose environment
+                # answers within one more window's time start their turn together with the first.
+                concurrent.futures.wait(pending.values(), timeout=window_s)
                 waited += time.perf_counter() - start
             for row in [r for r, f in pending.items() if f.done()]:
                 turn = pending.pop(row).result()
