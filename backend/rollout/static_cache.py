@@ -124,6 +124,19 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+def _gather(futures: list[concurrent.futures.Future], quiet_s: float) -> None:
+    """Wait for the first future, then for more as long as each next one finishes within quiet_s of the one
+    before. A decode step costs nearly the same for a few rows as for all, so rows whose environments answer
+    close together start their turns together; a slow environment holds up no one for long."""
+    concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+    finished, last = sum(f.done() for f in futures), time.perf_counter()
+    while finished < len(futures) and time.perf_counter() - last < quiet_s:
+        time.sleep(quiet_s / 10)
+        now = sum(f.done() for f in futures)
+        if now > finished:
+            finished, last = now, time.perf_counter()
+
+
 class StaticCacheEngine:
     """A rollout engine (see backend.rollout.base.RolloutEngine) for `unsupported_reason(model) is None`.
 
@@ -544,10 +557,7 @@ class StaticCacheEngine:
                 break
             if not any(not done[row] for row in episode_of) and pending:
                 start = time.perf_counter()
-                concurrent.futures.wait(pending.values(), return_when=concurrent.futures.FIRST_COMPLETED)
-                # A decode step costs nearly the same for a few rows as for all: rows whose environment
-                # answers within one more window's time start their turn together with the first.
-                concurrent.futures.wait(pending.values(), timeout=window_s)
+                _gather(list(pending.values()), window_s)
                 waited += time.perf_counter() - start
             for row in [r for r, f in pending.items() if f.done()]:
                 turn = pending.pop(row).result()
