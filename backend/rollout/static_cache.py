@@ -449,15 +449,20 @@ class StaticCacheEngine:
         allowed = s["valid"][index, :span].unsqueeze(1) & before
         write_rows = index.unsqueeze(1).expand_as(real)[real]
         write_slots = query_slots[real]
+        # Queries grouped by KV head, (k, kv, g * width, D), as in a decode step: each row's cached keys and
+        # values are read once for their g query heads instead of being repeated g times.
+        rows_n, g, d = len(rows), self.n_heads // self.n_kv, self.head_dim
+        grouped_mask = allowed.unsqueeze(1).expand(rows_n, g, width, span).reshape(rows_n, 1, g * width, span)
         cos, sin = self._rotary(start_pos.unsqueeze(1) + offsets)
         x = F.embedding(ids, self.embed)
         for w, (kc, vc) in zip(self.layers, self.cache, strict=True):
             q, k, v = self._qkv(w, x, cos, sin)
             kc[write_rows, :, write_slots] = k[real]
             vc[write_rows, :, write_slots] = v[real]
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), kc[index, :, :span], vc[index, :, :span],
-                                                 attn_mask=allowed.unsqueeze(1), enable_gqa=self.n_kv != self.n_heads)
-            x = self._finish_layer(w, x, out.transpose(1, 2).flatten(-2))
+            q = q.view(rows_n, width, self.n_kv, g, d).permute(0, 2, 3, 1, 4).reshape(rows_n, self.n_kv, g * width, d)
+            out = F.scaled_dot_product_attention(q, kc[index, :, :span], vc[index, :, :span], attn_mask=grouped_mask)
+            out = out.view(rows_n, self.n_kv, g, width, d).permute(0, 3, 1, 2, 4).reshape(rows_n, width, -1)
+            x = self._finish_layer(w, x, out)
         s["slot"][index] = start_slot + lengths
         s["pos"][index] = start_pos + lengths
         return self._logits(x[torch.arange(len(rows), device=self.device), lengths - 1])
