@@ -109,7 +109,8 @@ def test_ppo_with_a_critic_trains_on_episodes_from_hugging_face_generate(tmp_pat
                                                                          grpo_run):
     run_dir = tmp_path / "ppo"
     cfg = load_config(None, multi_turn_overrides(sums, tool_model, env_file, **{
-        "algorithm.adv_estimator": "gae", "actor_rollout_ref.rollout.name": "hf", "trainer.val_before_train": False, "trainer.test_freq": 0}))
+        "algorithm.adv_estimator": "gae", "actor_rollout_ref.rollout.name": "hf", "trainer.val_before_train": False,
+        "trainer.test_freq": 0}))
     Trainer(cfg, run_dir, show_progress=False).train()
     (m,) = read_metrics(run_dir)
     assert math.isfinite(m["critic/vf_loss"]) and math.isfinite(m["actor/pg_loss"])
