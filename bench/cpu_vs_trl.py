@@ -15,7 +15,6 @@ Appends to bench/results/<date>-cpu-vs-trl.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -69,11 +68,7 @@ def main() -> None:
         print(f"| {r['model']:<24} | {r['ours_median_s']:>9.2f} | {r['trl_median_s']:>9.2f} "
               f"| {r['trl_over_ours']:>10} |")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    record = json.loads(out.read_text()) if out.exists() else []
-    record.append({"settings": f"{CONFIG} defaults", "results": results})
-    out.write_text(json.dumps(record, indent=1))
-    print(f"written to {out}")
+    engine_step.append_record(out, {"settings": f"{CONFIG} defaults", "results": results})
 
 
 if __name__ == "__main__":

@@ -50,6 +50,15 @@ def build_random_model(name: str, tokenizer_dir: str, out: Path) -> Path:
     return out
 
 
+def append_record(out: Path, record: dict) -> None:
+    """Add one record to the JSON list in `out` (made, with its folder, when missing) and say where."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    records = json.loads(out.read_text()) if out.exists() else []
+    records.append(record)
+    out.write_text(json.dumps(records, indent=1))
+    print(f"written to {out}")
+
+
 def measure(config: str, overrides: list[str], steps: int, label: str = "", model_dir: Path | None = None,
             model_label: str = "") -> dict:
     """Train `steps` steps of `config` + overrides through `Trainer` and return the row of numbers:
@@ -131,11 +140,7 @@ def main() -> None:
 
     out = Path(args.out) if args.out else REPO / "bench/results" / (
         f"{time.strftime('%Y-%m-%d')}-{'gpu' if torch.cuda.is_available() else 'cpu'}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    rows = json.loads(out.read_text()) if out.exists() else []
-    rows.append(row)
-    out.write_text(json.dumps(rows, indent=1))
-    print(f"written to {out}")
+    append_record(out, row)
 
 
 if __name__ == "__main__":

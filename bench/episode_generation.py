@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import statistics
 import sys
@@ -29,6 +28,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
+import engine_step  # noqa: E402
 import grpo_step  # noqa: E402
 import trl_grpo  # noqa: E402
 from bench_environment import REPLY, FixedReply  # noqa: E402
@@ -146,11 +146,7 @@ def main() -> None:
     name = torch.cuda.get_device_name().replace(" ", "-").lower() if device.type == "cuda" else "cpu"
     default = BENCH / "results" / f"{time.strftime('%Y-%m-%d')}-{name}-episode-generation.json"
     out = Path(args.out) if args.out else default
-    out.parent.mkdir(parents=True, exist_ok=True)
-    record = json.loads(out.read_text()) if out.exists() else []
-    record.append(result)
-    out.write_text(json.dumps(record, indent=1))
-    print(f"written to {out}")
+    engine_step.append_record(out, result)
 
 
 if __name__ == "__main__":

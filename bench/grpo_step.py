@@ -23,7 +23,6 @@ Prints one table (ours, TRL, ratio) and appends both rows to bench/results/<date
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -186,16 +185,12 @@ def main() -> None:
     device = torch.cuda.get_device_name().replace(" ", "-").lower() if torch.cuda.is_available() else "cpu"
     kind = "smollm2" if args.realistic else "grpo-step"
     out = Path(args.out) if args.out else BENCH / "results" / f"{time.strftime('%Y-%m-%d')}-{device}-{kind}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    record = json.loads(out.read_text()) if out.exists() else []
-    record.append({"engine": engine,
-                   "workload": {"label": label, "prompts": prompts_n, "samples": samples, "response_tokens": response,
-                                "kl_coef": KL_COEF, "lr": LR, "our_micro_batch": min(args.micro_batch, rows),
-                                "our_activation_memory_budget": args.activation_memory_budget,
-                                "trl_micro_batch": args.trl_micro_batch, "update_flops": flops},
-                   "table": {k: list(v) for k, v in table.items()}, "ours": ours, "trl": trl})
-    out.write_text(json.dumps(record, indent=1))
-    print(f"written to {out}")
+    workload = {"label": label, "prompts": prompts_n, "samples": samples, "response_tokens": response,
+                "kl_coef": KL_COEF, "lr": LR, "our_micro_batch": min(args.micro_batch, rows),
+                "our_activation_memory_budget": args.activation_memory_budget,
+                "trl_micro_batch": args.trl_micro_batch, "update_flops": flops}
+    engine_step.append_record(out, {"engine": engine, "workload": workload,
+                                    "table": {k: list(v) for k, v in table.items()}, "ours": ours, "trl": trl})
     shutil.rmtree(work, ignore_errors=True)  # the workload model, 2.4 GB
 
 

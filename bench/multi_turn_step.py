@@ -17,7 +17,6 @@ bench/results/<date>-<device>-multi-turn.json.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -104,14 +103,11 @@ def main() -> None:
 
     device = torch.cuda.get_device_name().replace(" ", "-").lower() if torch.cuda.is_available() else "cpu"
     out = Path(args.out) if args.out else BENCH / "results" / f"{time.strftime('%Y-%m-%d')}-{device}-multi-turn.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    record = json.loads(out.read_text()) if out.exists() else []
-    record.append({"workload": {"label": label, "prompts": prompts_n, "samples": samples, "turns": args.turns,
-                                "tokens_per_turn": per_turn, "observation_tokens": observation,
-                                "tokens_after_prompt": total, "rollout": args.rollout},
-                   "columns": list(rows_out), "table": table, "overhead": overhead, "rows": rows_out})
-    out.write_text(json.dumps(record, indent=1))
-    print(f"written to {out}")
+    workload = {"label": label, "prompts": prompts_n, "samples": samples, "turns": args.turns,
+                "tokens_per_turn": per_turn, "observation_tokens": observation, "tokens_after_prompt": total,
+                "rollout": args.rollout}
+    engine_step.append_record(out, {"workload": workload, "columns": list(rows_out), "table": table,
+                                    "overhead": overhead, "rows": rows_out})
     shutil.rmtree(work, ignore_errors=True)
 
 
