@@ -518,7 +518,6 @@ class StaticCacheEngine:
         slots = self.cache[0][0].shape[2]
         s = self.state
         b = min(self.batch_size, len(waiting))
-        s["done"][:b], s["slot"][:b], s["valid"][:b] = True, 0, True
         free = list(range(b))
         episode_of: dict[int, int] = {}  # cache row -> episode
         pending: dict[int, concurrent.futures.Future] = {}  # cache row -> its turn's end being handled
@@ -548,11 +547,10 @@ class StaticCacheEngine:
                         high += 1
                         span = min(slots, math.ceil(high / SPAN) * SPAN) if self.cuda_graphs else min(slots, high)
                     self._step(b, span, params)
-                done = s["done"][:b].tolist()
+                done, t = torch.stack([s["done"][:b].long(), s["t"][:b]]).tolist()
                 window_s = time.perf_counter() - start
             ended = [row for row in episode_of if done[row] and row not in pending]
             if ended:
-                t = s["t"][:b].tolist()
                 out = s["out"][:b].to("cpu")
                 for row in ended:
                     sampled = out[row, :t[row]].tolist()
