@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from backend.core.models import resolve_model
+from backend.envs.deadlines import DeadlinePool, Outcome
 from backend.envs.environment import Environment, Step, ToolLimits, load_environment
-from backend.envs.tool_calls import call_with_timeout, tools_prompt
+from backend.envs.tool_calls import tools_prompt
 from backend.envs.tools import Tool, resolve_tools
 from backend.rollout.base import RolloutBatch, SamplingParams, Turn, left_pad, right_pad
 
@@ -172,7 +173,7 @@ def run_episodes(generate: Callable[..., RolloutBatch], tokenizer,
     number of workers, and the same as `play_episodes` gives. `timings` gets timing_s/tools: the wall
     time of the environment steps (all episodes of a turn step at once)."""
     turns = _Turns(tokenizer, renderer, envs, rows, params, limits)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, max(len(envs), 1))) as pool:
+    with turns.pool() as pool:
         for turn in range(limits.max_assistant_turns):
             active = [i for i, e in enumerate(turns.episodes) if not e.done]
             if not active:
@@ -196,7 +197,8 @@ def run_episodes(generate: Callable[..., RolloutBatch], tokenizer,
             if progress and texts:
                 progress(f"turn {turn + 1}: environment steps for {len(texts)} episodes")
             start = time.perf_counter()
-            list(pool.map(turns.step, texts, texts.values()))
+            for step in [turns.step(pool, i, text) for i, text in texts.items()]:
+                step.result()
             if timings is not None:
                 timings["timing_s/tools"] = timings.get("timing_s/tools", 0.0) + time.perf_counter() - start
     return turns.finished()
@@ -211,11 +213,11 @@ def play_episodes(engine, tokenizer, renderer: ChatRenderer, envs: list[Environm
     decoding, and its next turn is appended to its cache instead of its prefix being prefilled again.
     `timings` gets timing_s/tools: the time the engine had no row to decode, waiting on environments."""
     turns = _Turns(tokenizer, renderer, envs, rows, params, limits)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, max(len(envs), 1))) as pool:
+    with turns.pool() as pool:
         def end_turn(i: int, sampled: list[int], stopped: bool) -> concurrent.futures.Future:
             text = turns.end_turn(i, sampled, stopped, None)
             if text is not None:
-                return pool.submit(turns.step, i, text)
+                return turns.step(pool, i, text)
             over: concurrent.futures.Future = concurrent.futures.Future()
             over.set_result(None)
             return over
@@ -273,16 +275,22 @@ class _Turns:
             return None
         return text
 
-    def step(self, i: int, text: str) -> Turn | None:
-        """Episode i's environment step on the assistant's text: its next turn (the observation's ids to
-        append), or None when the episode ended."""
-        e = self.episodes[i]
-        start = time.perf_counter()
-        step, error = _step(self.envs[i], text, self.limits.step_timeout_s)
-        before = len(e.ids)
-        _apply_step(e, step, error, time.perf_counter() - start, self.renderer, self.limits,
-                    e.assistant_turns >= self.limits.max_assistant_turns)
-        return None if e.done else self.next_turn(i, e.ids[before:])
+    def pool(self) -> DeadlinePool:
+        """Where the environments step: at most 16 at once, each within limits.step_timeout_s."""
+        return DeadlinePool(min(16, max(len(self.envs), 1)), self.limits.step_timeout_s)
+
+    def step(self, pool: DeadlinePool, i: int, text: str) -> concurrent.futures.Future[Turn | None]:
+        """Episode i's environment step on the assistant's text, on `pool`: a future of its next turn (the
+        observation's ids to append), or of None when the episode ended."""
+        def then(outcome: Outcome) -> Turn | None:
+            e = self.episodes[i]
+            before = len(e.ids)
+            _apply_step(e, *_step_result(outcome, self.limits.step_timeout_s), outcome.seconds, self.renderer,
+                        self.limits, e.assistant_turns >= self.limits.max_assistant_turns)
+            return None if e.done else self.next_turn(i, e.ids[before:])
+
+        env = self.envs[i]
+        return pool.submit(lambda: env.step(text), then)
 
     def finished(self) -> list[Episode]:
         for e in self.episodes:
@@ -302,16 +310,15 @@ def _start(env: Environment, row: dict, renderer: ChatRenderer) -> Episode:
     return Episode(ids, text)
 
 
-def _step(env: Environment, text: str, timeout_s: float) -> tuple[Step | None, str | None]:
-    """The environment's step on a thread: an exception or a step past timeout_s is the episode's error."""
-    value, error, timed_out = call_with_timeout(lambda: env.step(text), timeout_s)
-    if timed_out:
+def _step_result(outcome: Outcome, timeout_s: float) -> tuple[Step | None, str | None]:
+    """The environment's step, or the episode's error: an exception, a step past timeout_s, not a Step."""
+    if outcome.timed_out:
         return None, f"step did not return within {timeout_s:g} s"
-    if error is not None:
-        return None, f"step raised {type(error).__name__}: {error}"
-    if not isinstance(value, Step):
-        return None, f"step returned {type(value).__name__}, not a Step"
-    return value, None
+    if outcome.error is not None:
+        return None, f"step raised {type(outcome.error).__name__}: {outcome.error}"
+    if not isinstance(outcome.value, Step):
+        return None, f"step returned {type(outcome.value).__name__}, not a Step"
+    return outcome.value, None
 
 
 def _apply_step(e: Episode, step: Step | None, error: str | None, seconds: float, renderer: ChatRenderer,
