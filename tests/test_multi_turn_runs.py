@@ -4,11 +4,13 @@ are logged, and GRPO and PPO (a critic over interior zeros) both train."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from backend.core.config import load_config
@@ -117,3 +119,25 @@ def test_ppo_with_a_critic_trains_on_episodes_from_hugging_face_generate(tmp_pat
     before = load_file(tool_model / "model.safetensors")
     after = load_file(run_dir / "export" / "model.safetensors")
     assert any(not before[k].equal(after[k]) for k in before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+                    reason="vLLM is optional and runs on CUDA GPUs only: this test runs where both are")
+def test_vllm_plays_episodes_keeping_its_log_probs_on_the_sampled_tokens_only(tmp_path, sums, tool_model, env_file):
+    """Lockstep turns through vLLM inside the workers, one weight push per step."""
+    run_dir = tmp_path / "vllm"
+    cfg = load_config(None, multi_turn_overrides(sums, tool_model, env_file, **{
+        "trainer.device": "cuda", "actor_rollout_ref.rollout.name": "vllm",
+        "actor_rollout_ref.rollout.gpu_memory_utilization": 0.2, "actor_rollout_ref.rollout.enforce_eager": True,
+        "actor_rollout_ref.actor.use_torch_compile": False, "trainer.total_training_steps": 2,
+        "trainer.test_freq": 0, "trainer.val_before_train": False}))
+    Trainer(cfg, run_dir, show_progress=False).train()
+    assert read_status(run_dir)["state"] == "succeeded"
+    metrics = read_metrics(run_dir)
+    for m in metrics:
+        assert m["tool/calculator/calls"] >= 1 and m["multi_turn/observation_tokens/mean"] > 0
+        # vLLM's log-prob of each sampled token against the trainer's, observations left out of the mean.
+        assert 0 <= m["rollout/log_prob_diff_mean"] < 0.05, m["step"]
+    tokens = pq.read_table(run_dir / "rollouts" / "tokens_step_000002.parquet").to_pylist()
+    row = next(r for r in tokens if not all(r["sampled"]))
+    assert any(row["sampled"][row["sampled"].index(False):])  # sampled again after an observation

@@ -173,14 +173,15 @@ class ActorRolloutRefWorker(RankWorker):
                     self.rollout.load_weights(lora.unwrap(self.actor))
                 episodes = play_episodes(self.rollout, *args)
             elif isinstance(self.rollout, VLLMEngine):
-                episodes = run_episodes(self._vllm_turn, *args)
+                with self.rollout.awake():
+                    episodes = run_episodes(self._vllm_turn, *args)
             else:
                 with distributed.unsharded(self.actor):
                     episodes = run_episodes(self.rollout.generate, *args)
         return episodes, timings.get("timing_s/tools", 0.0)
 
     def _vllm_turn(self, prompts: list[list[int]], params: SamplingParams, row_ids: list[int]) -> RolloutBatch:
-        """One lockstep turn on vLLM, pushing the weights first when its sleep mode dropped them."""
+        """One lockstep turn on vLLM, pushing the weights before the first (vLLM stays awake for the rest)."""
         if not self.rollout.loaded:
             with distributed.unsharded(self.actor):
                 self.rollout.load_weights(lora.unwrap(self.actor))

@@ -16,7 +16,8 @@ vLLM 0.26 (the `vllm` extra pins it); vLLM is optional and imported only when th
   cache (that much must be free when it starts). With `rollout.free_cache_engine` it runs in sleep mode:
   after each generation it sleeps at level 2 (weights and KV cache released: the next push overwrites the
   weights anyway), and before the next one it wakes the weights, takes the push, and only then wakes the
-  KV cache, so the gathered actor and the KV cache are never held at once.
+  KV cache, so the gathered actor and the KV cache are never held at once. An episode batch's turns run
+  inside `awake()`: one push and one sleep for all its turns.
 - Sampling: one request per response row with its own seed from (params.seed, global row id), so a row
   draws the same tokens whichever worker, batch or resumed step generates it (up to the numerics of
   batching). The log-prob of each sampled token comes back with logprobs_mode="processed_logprobs": after
@@ -25,6 +26,7 @@ vLLM 0.26 (the `vllm` extra pins it); vLLM is optional and imported only when th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Iterator
@@ -160,9 +162,26 @@ class VLLMEngine:
         # What is resident now; with sleep mode, nothing until the first push and generation.
         self.weights_awake = self.cache_awake = True
         self.loaded = False
+        self._held = False  # inside awake(): generations do not sleep after themselves
         if sleep:
-            self.llm.sleep(level=2)
-            self.weights_awake = self.cache_awake = False
+            self._sleep()
+
+    def _sleep(self) -> None:
+        # Level 2: the weights are overwritten by the next push, so nothing is kept in host memory.
+        self.llm.sleep(level=2)
+        self.weights_awake = self.cache_awake = self.loaded = False
+
+    @contextlib.contextmanager
+    def awake(self) -> Iterator[None]:
+        """Generations inside stay awake and sleep once at the end (with sleep mode): an episode batch's turns
+        share one weight push and one KV cache mapping instead of a sleep and a wake each."""
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
+            if self.sleep_mode and (self.weights_awake or self.cache_awake):
+                self._sleep()
 
     def _model(self) -> torch.nn.Module:
         """The model inside the in-process engine core (vLLM's driver worker's model)."""
@@ -208,10 +227,8 @@ class VLLMEngine:
             outputs = self.llm.generate([prompt for prompt, _ in requests],
                                         [VLLMSamplingParams(**kwargs) for _, kwargs in requests], use_tqdm=False)
         finally:
-            if self.sleep_mode:
-                # Level 2: the weights are overwritten by the next push, so nothing is kept in host memory.
-                self.llm.sleep(level=2)
-                self.weights_awake = self.cache_awake = self.loaded = False
+            if self.sleep_mode and not self._held:
+                self._sleep()
         responses, log_probs = [], []
         for out in outputs:
             completion = out.outputs[0]
