@@ -91,6 +91,29 @@ def clocked_phases(engine: StaticCacheEngine, call) -> dict[str, float]:
     return {**{k: round(v, 3) for k, v in spent.items()}, **{f"{k}: calls": v for k, v in calls.items()}}
 
 
+def traced_turn_starts(engine: StaticCacheEngine, call) -> str:
+    """torch.profiler's table of one call of `call`, with the engine's turn starts labelled: which operations
+    the prompts' prefill and the appended observations spend their time in."""
+    begin = engine._begin
+
+    def labelled(*a, **k):
+        with torch.profiler.record_function("turn start"):
+            return begin(*a, **k)
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    engine._begin = labelled
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            call()
+            sync()
+    finally:
+        engine._begin = begin
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=30)
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -103,6 +126,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--small", action="store_true", help="a 2-layer model and 16 rows x 32 tokens: checks the script")
     p.add_argument("--out", default=None)
+    p.add_argument("--trace", action="store_true", help="also print torch.profiler's table of one episodes call")
     args = p.parse_args()
 
     rows_n, response = (16, 32) if args.small else (512, 256)
@@ -130,6 +154,9 @@ def main() -> None:
                                        args.repeats)
     phases = clocked_phases(engine, lambda: play_episodes(engine, tokenizer, renderer, [FixedReply() for _ in rows],
                                                           rows, params, limits))
+    if args.trace:
+        print(traced_turn_starts(engine, lambda: play_episodes(engine, tokenizer, renderer,
+                                                               [FixedReply() for _ in rows], rows, params, limits)))
     result = {"rows": rows_n, "turns": args.turns, "tokens_per_turn": per_turn, "observation_tokens": observation,
               "tokens_after_prompt": total, "single_turn_s": single, "episodes_s": episodes,
               "single_turn_median_s": statistics.median(single), "episodes_median_s": statistics.median(episodes)}

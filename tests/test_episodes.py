@@ -144,6 +144,21 @@ def test_an_environment_that_raises_ends_its_own_episode_and_the_others_go_on(en
     assert m["multi_turn/env_errors"] == 1.0 and m["tool/calculator/calls"] == 3.0 and m["tool/success_rate"] == 1.0
 
 
+def test_a_first_prompt_over_max_prompt_length_plus_the_tools_ends_its_own_episode(engine):
+    tokenizer = engine.tokenizer
+    renderer = ChatRenderer(tokenizer, [get_tool("calculator")], [tokenizer.eos_token_id])
+    plain = ChatRenderer(tokenizer, [], [tokenizer.eos_token_id])
+    short, long = _rows(["What is 8 + 1?", "What is 8 + 1? " + "Think hard. " * 40])
+    assert renderer.tools_tokens == len(renderer.prompt(short["messages"])[0]) - len(plain.prompt(short["messages"])[0])
+    limit = len(plain.prompt(short["messages"])[0]) + 5
+    first, second = run_episodes(engine.generate, tokenizer, renderer, [_calculator_env(), _calculator_env()],
+                                 [long, short], SamplingParams(n=1, greedy=True, max_new_tokens=200),
+                                 TurnLimits(200, 1, 1, 5.0, max_prompt_length=limit + renderer.tools_tokens))
+    assert first.finish_reason == ENV_ERROR and first.assistant_turns == 0
+    assert f"over data.max_prompt_length={limit} plus the tools'" in first.error
+    assert second.assistant_turns == 1 and second.error is None
+
+
 class Hanging(Environment):
     def step(self, assistant_text):
         import time

@@ -104,6 +104,13 @@ def test_each_response_row_is_a_request_whose_seed_depends_only_on_the_step_seed
     assert set(seeds).isdisjoint(row_seed(124, r) for r in range(6))
 
 
+def test_a_row_asks_vllm_for_no_more_tokens_than_the_context_leaves_after_its_prompt():
+    # A lockstep episode turn asks every row for the longest budget; a row with a longer prefix must not
+    # ask past vLLM's max_model_len, which refuses such a request and ends the generation.
+    requests = vllm_requests([[1] * 90, [1] * 20], SamplingParams(max_new_tokens=50), [0], max_model_len=100)
+    assert [kwargs["max_tokens"] for _, kwargs in requests] == [10, 50]
+
+
 def test_log_prob_rows_lay_the_engine_log_probs_out_as_the_responses_with_zeros_at_padding():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     out = log_prob_rows([torch.tensor([-0.5, -1.0]), torch.tensor([-0.1, -0.2, -0.3])], mask)

@@ -93,8 +93,8 @@ class ActorRolloutRefWorker(RankWorker):
             distributed.shard_model(self.ref, self.device, dtype, offload=arr.ref.fsdp_config.offload_policy,
                                     compile_layers=compile_layers, per_layer=not self.ref_gather_once)
         self.tokenizer = load_tokenizer(arr.model.path, arr.model.tokenizer_path)
-        self.rollout = self._rollout_engine(dtype)
         self.episode_setup = EpisodeSetup.of(self.cfg, self.tokenizer) if arr.rollout.multi_turn.enable else None
+        self.rollout = self._rollout_engine(dtype)
         self.temperature = arr.rollout.temperature
         self.compiled = compile_layers
         self.clip_low, self.clip_high = arr.actor.clip_range()
@@ -106,6 +106,8 @@ class ActorRolloutRefWorker(RankWorker):
     def _rollout_engine(self, dtype: torch.dtype):
         r = self.cfg.actor_rollout_ref.rollout
         max_len = self.cfg.data.max_prompt_length + self.cfg.data.max_response_length
+        if self.episode_setup is not None:
+            max_len += self.episode_setup.renderer.tools_tokens  # an episode's first prompt offers the tools
         if r.name == "vllm":
             base = lora.unwrap(self.actor)
             return VLLMEngine(resolve_model(self.cfg.actor_rollout_ref.model.path), eos_ids_of(base, self.tokenizer),

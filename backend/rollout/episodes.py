@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from backend.envs.deadlines import DeadlinePool, Outcome
 from backend.envs.environment import Environment, Step, ToolLimits, load_environment
 from backend.envs.tool_calls import tools_prompt
 from backend.envs.tools import Tool, resolve_tools
-from backend.rollout.base import RolloutBatch, SamplingParams, Turn, left_pad, right_pad
+from backend.rollout.base import RolloutBatch, SamplingParams, Turn, left_pad
 
 # How an episode ended (its finish_reason in the rollout table): the model stopped and the environment
 # said done; the token budget ran out; the turn limits were reached; the environment failed.
@@ -67,6 +68,8 @@ class ChatRenderer:
         ends = [i for i, t in enumerate(base_ids) if t in eos_ids]
         self._cut = ends[-1] + 1 if ends else len(base_ids)
         self._base_ids = base_ids[:self._cut]
+        # The tokens offering the tools add to every first prompt: data.max_prompt_length bounds the rest.
+        self.tools_tokens = len(self.prompt(probe)[0]) - len(self._ids(probe, True))
 
     def _text(self, messages: list[dict], generation_prompt: bool = False, **kwargs) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
@@ -135,6 +138,7 @@ class TurnLimits:
     max_user_turns: int
     step_timeout_s: float = 60.0  # one environment step, its tools included
     max_tokens_per_turn: int = 0  # 0: what is left of max_response_length
+    max_prompt_length: int = 0  # the first prompt's tokens, the tools' included; 0: any
 
 
 @dataclass
@@ -154,7 +158,8 @@ class EpisodeSetup:
         tools = resolve_tools(mt.tools, mt.tool_config_path)
         renderer = ChatRenderer(tokenizer, tools, end_of_turn_ids(tokenizer, cfg.actor_rollout_ref.model.path))
         limits = TurnLimits(cfg.data.max_response_length, mt.max_assistant_turns, mt.max_user_turns,
-                            mt.tool_timeout_s * mt.max_parallel_calls, mt.max_tokens_per_turn)
+                            mt.tool_timeout_s * mt.max_parallel_calls, mt.max_tokens_per_turn,
+                            cfg.data.max_prompt_length + renderer.tools_tokens)
         return cls(load_environment(mt.environment), tools, ToolLimits.of(mt), renderer, limits)
 
     def environments(self, n: int) -> list[Environment]:
@@ -239,7 +244,9 @@ class _Turns:
                  params: SamplingParams, limits: TurnLimits):
         self.tokenizer, self.renderer, self.envs = tokenizer, renderer, envs
         self.params, self.limits = params, limits
-        self.episodes = [_start(env, row, renderer) for env, row in zip(envs, rows, strict=True)]
+        rendered: dict[str, tuple[list[int], str]] = {}  # a group's n episodes mostly start from the same messages
+        self.episodes = [_start(env, row, renderer, limits.max_prompt_length, rendered)
+                         for env, row in zip(envs, rows, strict=True)]
 
     def seed(self, turn: int) -> int:
         return self.params.seed + turn * 7919
@@ -299,15 +306,36 @@ class _Turns:
         return self.episodes
 
 
-def _start(env: Environment, row: dict, renderer: ChatRenderer) -> Episode:
+def _start(env: Environment, row: dict, renderer: ChatRenderer, max_prompt_length: int,
+           rendered: dict[str, tuple[list[int], str]]) -> Episode:
     try:
-        ids, text = renderer.prompt(env.reset(row))
+        ids, text = _prompt(renderer, env.reset(row), rendered)
     except Exception as e:  # a user's reset: the episode fails, the run goes on
         ids, text = renderer.prompt(row["messages"])
         episode = Episode(ids, text)
         episode.finish_reason, episode.error = ENV_ERROR, f"reset raised {type(e).__name__}: {e}"
         return episode
-    return Episode(ids, text)
+    episode = Episode(ids, text)
+    if max_prompt_length and len(ids) > max_prompt_length:
+        # An engine with a fixed context (vLLM) would refuse it and end the whole generation.
+        episode.finish_reason = ENV_ERROR
+        episode.error = (f"the first prompt is {len(ids)} tokens (the tools' {renderer.tools_tokens} included), over "
+                         f"data.max_prompt_length={max_prompt_length - renderer.tools_tokens} plus the tools': "
+                         f"raise data.max_prompt_length or shorten what reset returns")
+    return episode
+
+
+def _prompt(renderer: ChatRenderer, messages: list[dict], rendered: dict[str, tuple[list[int], str]]
+            ) -> tuple[list[int], str]:
+    """renderer.prompt(messages), rendered once for the messages seen before in `rendered`."""
+    try:
+        key = json.dumps(messages, sort_keys=True)
+    except TypeError:  # content that is not JSON (an image): rendered each time
+        return renderer.prompt(messages)
+    if key not in rendered:
+        rendered[key] = renderer.prompt(messages)
+    ids, text = rendered[key]
+    return list(ids), text
 
 
 def _step_result(outcome: Outcome, timeout_s: float) -> tuple[Step | None, str | None]:
@@ -361,11 +389,15 @@ def episode_batch(episodes: list[Episode], group_ids: torch.Tensor, pad_id: int,
     """The episodes in the batch layout: response_mask is 0 inside a response on observation tokens."""
     prompt_ids, prompt_mask = left_pad([e.prompt_ids for e in episodes], pad_id)
     width = max(len(e.ids) for e in episodes)
-    responses = right_pad([torch.tensor(e.ids) for e in episodes], width, pad_id)
-    response_mask = right_pad([torch.tensor(e.mask) for e in episodes], width, 0)
+
+    def padded(rows: list[list], pad: float, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([row + [pad] * (width - len(row)) for row in rows], dtype=dtype)
+
+    responses = padded([e.ids for e in episodes], pad_id, torch.long)
+    response_mask = padded([e.mask for e in episodes], 0, torch.long)
     lengths = torch.tensor([len(e.ids) for e in episodes])
     attention = (torch.arange(width) < lengths.unsqueeze(1)).long()
-    rollout_log_probs = right_pad([torch.tensor(e.log_probs) for e in episodes], width, 0.0) if with_log_probs else None
+    rollout_log_probs = padded([e.log_probs for e in episodes], 0.0, torch.float32) if with_log_probs else None
     return RolloutBatch(input_ids=torch.cat([prompt_ids, responses], 1),
                         attention_mask=torch.cat([prompt_mask, attention], 1), responses=responses,
                         response_mask=response_mask, prompt_index=group_ids,

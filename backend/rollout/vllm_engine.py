@@ -73,13 +73,21 @@ def sampling_kwargs(params: SamplingParams, eos_ids: list[int], row: int) -> dic
 
 
 def vllm_requests(prompts: list[list[int]], params: SamplingParams, eos_ids: list[int],
-                  first_row: int = 0, row_ids: list[int] | None = None) -> list[tuple[dict, dict]]:
+                  first_row: int = 0, row_ids: list[int] | None = None,
+                  max_model_len: int | None = None) -> list[tuple[dict, dict]]:
     """(prompt, sampling kwargs) per response row: `params.n` rows per prompt, prompt-major as every engine
-    lays them out, row i of this call being global row first_row + i (or row_ids[i])."""
+    lays them out, row i of this call being global row first_row + i (or row_ids[i]). With max_model_len,
+    a row asks at most what the context leaves after its prompt: a lockstep episode turn asks every row
+    for the longest budget, and vLLM refuses a request that cannot fit."""
     rows = [p for p in prompts for _ in range(params.n)]
     keys = row_ids if row_ids is not None else range(first_row, first_row + len(rows))
-    return [({"prompt_token_ids": list(p)}, sampling_kwargs(params, eos_ids, key))
-            for p, key in zip(rows, keys, strict=True)]
+    requests = []
+    for p, key in zip(rows, keys, strict=True):
+        kwargs = sampling_kwargs(params, eos_ids, key)
+        if max_model_len is not None:
+            kwargs["max_tokens"] = min(kwargs["max_tokens"], max_model_len - len(p))
+        requests.append(({"prompt_token_ids": list(p)}, kwargs))
+    return requests
 
 
 def hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -152,6 +160,7 @@ class VLLMEngine:
         from vllm import LLM
 
         self.eos_ids, self.pad_id = list(eos_ids), pad_id
+        self.max_model_len = max_model_len
         self.sleep_mode = sleep
         self.llm = LLM(
             model=model_path, skip_tokenizer_init=True, generation_config="vllm", load_format="dummy",
@@ -216,7 +225,7 @@ class VLLMEngine:
             raise RuntimeError("VLLMEngine.generate before load_weights")
         from vllm import SamplingParams as VLLMSamplingParams
 
-        requests = vllm_requests(prompts, params, self.eos_ids, first_row, row_ids)
+        requests = vllm_requests(prompts, params, self.eos_ids, first_row, row_ids, self.max_model_len)
         if progress is not None:
             progress(0, len(requests), 0, params.max_new_tokens)
         if not self.cache_awake:
