@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # vLLM on the GPU machine, once its wheels are in /tmp/vllm_carry (they travel in parts over back-to-back
-# calls; docs/performance.md says how): install them into /tmp/site, run the performance workload with
-# vLLM generating (bench/grpo_step.py --rollout vllm), then the vLLM tests (tests/test_vllm_rollout.py).
+# calls, built by bench/vllm_carry.py; docs/performance.md says how): install them into /tmp/site, run the
+# performance workload with vLLM generating (bench/grpo_step.py --rollout vllm), then the vLLM tests
+# (tests/test_vllm_rollout.py, and multi-turn episodes through vLLM in tests/test_multi_turn_runs.py).
 #   bash bench/vllm_gpu.sh <tokenizer folder> <output folder>
 set -uo pipefail
 TOK=$(realpath "$1")
@@ -34,7 +35,8 @@ if [ "${RUN_STEP:-1}" = 1 ]; then
   kill "$SMI" 2>/dev/null
   grep -E "^\|" "$OUT/vllm-step.log" || tail -40 "$OUT/vllm-step.log"
 fi
-timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_vllm_rollout.py \
-  -k "vllm_in_the_workers or grpo_run_with_vllm" > "$OUT/vllm-tests.log" 2>&1
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_vllm_rollout.py \
+  tests/test_multi_turn_runs.py -k "vllm_in_the_workers or grpo_run_with_vllm or vllm_plays_episodes" \
+  > "$OUT/vllm-tests.log" 2>&1
 echo "tests rc=$?"
 tail -30 "$OUT/vllm-tests.log"
