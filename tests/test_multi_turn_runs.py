@@ -52,7 +52,7 @@ def sums(tmp_path_factory) -> dict[str, str]:
 def multi_turn_overrides(sums, tool_model, env_file, **extra):
     return tiny_overrides(sums, **{
         "actor_rollout_ref.model.path": str(tool_model), "data.max_response_length": 200,
-        "data.max_prompt_length": 512, "actor_rollout_ref.rollout.multi_turn.enable": True,
+        "data.max_prompt_length": 300, "actor_rollout_ref.rollout.multi_turn.enable": True,
         "actor_rollout_ref.rollout.multi_turn.tools": "[calculator]",
         "actor_rollout_ref.rollout.multi_turn.environment": f"{env_file}:Graded",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 3,

@@ -213,3 +213,19 @@ def test_the_guessing_game_example_makes_its_data_passes_the_pre_run_checks_and_
     assert env.reset(row) == row["messages"]
     assert env.step("Is it 0?").observation == [{"role": "user", "content": "Higher."}]
     assert env.step(f"It is {target}.") == Step(reward={"solved": 0.9}, done=True)
+
+
+def test_the_pre_run_checks_count_the_tools_prompt_tokens_against_the_models_context():
+    from backend.core.config import load_config
+    from backend.engine.checks import preflight
+
+    def context_problems(prompt: int) -> list[str]:
+        cfg = load_config(None, ["actor_rollout_ref.model.path=tiny-qwen3", f"data.max_prompt_length={prompt}",
+                                 "data.max_response_length=200", "actor_rollout_ref.rollout.multi_turn.enable=true",
+                                 "actor_rollout_ref.rollout.multi_turn.tools=[calculator]"])
+        return [p for p in preflight(cfg) if "model's context" in p]
+
+    # tiny-qwen3 has 1024 positions: 600 + 200 fit alone, not with the calculator offered in the prompt.
+    (problem,) = context_problems(600)
+    assert "data.max_prompt_length + the tools' " in problem and "1024 positions" in problem
+    assert context_problems(300) == []

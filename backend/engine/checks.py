@@ -6,11 +6,12 @@ from pathlib import Path
 
 from backend.core import checkpoint, data
 from backend.core.config import Config, ConfigError, uses_critic
-from backend.core.models import ModelError, model_config, resolve_model
+from backend.core.models import ModelError, load_tokenizer, model_config, resolve_model
 from backend.envs.environment import load_environment
 from backend.envs.tools import ToolError, resolve_tools
 from backend.rewards.registry import RewardError, get_scorer, load_custom_reward
 from backend.rollout import static_cache
+from backend.rollout.episodes import ChatRenderer, end_of_turn_ids
 
 
 def preflight(cfg: Config) -> list[str]:
@@ -28,15 +29,30 @@ def preflight(cfg: Config) -> list[str]:
                 sources.update(r["data_source"] for r in data.load_rows(f))
             except data.DataError as e:
                 problems.append(f"{key}: {e}")
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    tools: list = []
+    if mt.enable:
+        try:
+            tools = resolve_tools(mt.tools, mt.tool_config_path)
+            load_environment(mt.environment)
+        except ToolError as e:
+            problems.append(str(e))
     model = cfg.actor_rollout_ref.model.path
     try:
         resolved = resolve_model(model)
         config = model_config(model) if Path(resolved).exists() else None
         limit = getattr(config, "max_position_embeddings", None)
         total = cfg.data.max_prompt_length + cfg.data.max_response_length
+        what = "data.max_prompt_length + data.max_response_length"
+        if tools and limit is not None:
+            # An episode's first prompt also offers the tools: the engines' context holds those tokens too.
+            tokenizer = load_tokenizer(model, cfg.actor_rollout_ref.model.tokenizer_path)
+            offered = ChatRenderer(tokenizer, tools, end_of_turn_ids(tokenizer, model)).tools_tokens
+            total += offered
+            what = f"data.max_prompt_length + the tools' {offered} prompt tokens + data.max_response_length"
         if limit is not None and total > limit:
-            problems.append(f"data.max_prompt_length + data.max_response_length = {total} is longer than the "
-                            f"model's context ({limit} positions for {model})")
+            problems.append(f"{what} = {total} is longer than the model's context ({limit} positions for {model}): "
+                            "lower data.max_prompt_length or data.max_response_length")
         reason = static_cache.unsupported_reason(config) if config is not None else None
         if cfg.actor_rollout_ref.rollout.name == "workbench" and reason:
             problems.append(f"actor_rollout_ref.rollout.name=workbench cannot run {model}: {reason}; "
@@ -77,13 +93,6 @@ def preflight(cfg: Config) -> list[str]:
                 get_scorer(source)
             except RewardError as e:
                 problems.append(str(e))
-    mt = cfg.actor_rollout_ref.rollout.multi_turn
-    if mt.enable:
-        try:
-            resolve_tools(mt.tools, mt.tool_config_path)
-            load_environment(mt.environment)
-        except ToolError as e:
-            problems.append(str(e))
     return problems
 
 
