@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -26,9 +26,9 @@ class Outcome:
 
 
 @dataclass
-class _Job(Generic[T]):
+class _Job:
     fn: Callable[[], Any]
-    then: Callable[[Outcome], T]
+    then: Callable[[Outcome], Any]
     future: concurrent.futures.Future
     started: float = 0.0
 
