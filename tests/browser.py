@@ -215,14 +215,15 @@ def set_text(page, widget_key: str, text: str) -> None:
     settle(page)
 
 
-def use_tiny_config(page, steps: int) -> None:
-    """Put the tiny model's config, `steps` steps long, into the Config page's editor and apply it, until the
-    form's fields show it: a click that lands while a refresh redraws the page can be dropped, and a run
-    launched then trains the default config (SmolLM2, seen once in a fresh clone's run)."""
+def use_tiny_config(page, steps: int, extra: str = "") -> None:
+    """Put the tiny model's config, `steps` steps long (and `extra`, more top-level YAML sections), into the
+    Config page's editor and apply it, until the form's fields show it: a click that lands while a refresh
+    redraws the page can be dropped, and a run launched then trains the default config (SmolLM2, seen once
+    in a fresh clone's run)."""
     model = page.locator(f"{key('cfg_actor_rollout_ref__model__path')} input")
     total = page.locator(f"{key('cfg_trainer__total_training_steps')} input")
     for _ in range(3):
-        set_text(page, "config_yaml", TINY_YAML.format(steps=steps))
+        set_text(page, "config_yaml", TINY_YAML.format(steps=steps) + extra)
         page.locator(f"{key('config_apply_yaml')} button").click()
         settle(page)
         if model.input_value() == "tiny-qwen3" and total.input_value() == str(steps):

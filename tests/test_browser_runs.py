@@ -106,8 +106,25 @@ def test_a_fork_is_named_after_its_parent_and_starts_from_the_latest_checkpoint(
         stop(fork)
 
 
+# Holds the run's first scoring, so that no step can finish before the page shows the stop it offers: on a
+# loaded machine the page's script run after "starting" has come after a whole tiny run had ended.
+FIRST_SCORE_HELD = """
+import time
+
+held = []
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if not held:
+        held.append(True)
+        time.sleep(120)
+    return 0.0
+"""
+
+
 def test_stop_while_a_run_starts_answers_at_once_and_ends_it_stopped(page, workspace):
-    use_tiny_config(page, steps=30)
+    reward = workspace / "first_score_held.py"
+    reward.write_text(FIRST_SCORE_HELD)
+    use_tiny_config(page, steps=30, extra=f"custom_reward_function:\n  path: {reward}\n")
     go(page, "Runs")
     launch_from_runs_page(page, "stop-early")
     run = next(r.path for r in list_runs(workspace / "runs") if r.name.endswith("stop-early"))
