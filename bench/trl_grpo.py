@@ -125,7 +125,8 @@ def run_trl(
     prompts: plain strings, or chat message lists (these go through the tokenizer's chat template, as our
     engine renders the data's `prompt` column). Each step: len(prompts) * num_generations fresh completions,
     micro-batches of `micro_batch` completions. top_k <= 0 means no top-k. bf16=None: bf16 weights on CUDA,
-    fp32 on CPU. reward_fn has TRL's signature (prompts, completions, completion_ids, **kwargs) -> floats.
+    fp32 on CPU; bf16=True on CPU: fp32 weights in TRL's autocast to bf16. reward_fn has TRL's signature
+    (prompts, completions, completion_ids, **kwargs) -> floats.
     device: "cpu", "cuda" or "auto".
 
     Returns per-step lists (`step_s`, `gen_s`, ... with the warm-up first), medians over the steps after
@@ -160,9 +161,10 @@ def run_trl(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # TRL left-pads prompts with it
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    # Passing the model object (not a path) is what makes the weights bf16: TRL's own load is float32.
-    # The reference model TRL builds takes the policy's dtype.
+    # On GPUs the weights are bf16 (passing the model object, not a path, is what makes them so: TRL's own
+    # load is float32; the reference model TRL builds takes the policy's dtype). On the CPU they stay fp32
+    # and bf16 means TRL's own mixed precision (autocast), as a run of TRL's defaults there does.
+    dtype = torch.bfloat16 if bf16 and cuda else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
 
     chat = not isinstance(prompts[0], str)
@@ -194,7 +196,7 @@ def run_trl(
         top_p=top_p,
         top_k=max(top_k, 0),
         beta=beta,
-        bf16=bf16,  # TRL's default is True even on CPU, where we want fp32
+        bf16=bf16,
         gradient_checkpointing=gradient_checkpointing,
         use_cpu=not cuda,
         logging_steps=1,

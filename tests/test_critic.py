@@ -19,7 +19,7 @@ METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/
 def critic_cfg(**extra) -> dict:
     cfg = {"model_path": "tiny-qwen3", "tokenizer_path": "", "enable_gradient_checkpointing": False, "lr": 1e-3,
            "betas": [0.9, 0.999], "weight_decay": 0.0, "grad_clip": 1.0, "cliprange_value": 0.5,
-           "ppo_micro_batch_size_per_gpu": 1, "ppo_epochs": 1, "loss_agg_mode": "token-mean", "param_dtype": "auto",
+           "ppo_micro_batch_size_per_gpu": 1, "ppo_epochs": 1, "loss_agg_mode": "token-mean", "param_dtype": "fp32",
            "offload_policy": False, "use_torch_compile": False, "seed": 0}
     cfg.update(extra)
     return cfg

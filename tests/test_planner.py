@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from backend.core.config import ConfigError, load_config
+from backend.engine.distributed import cpu_has_bf16
 from backend.services import planner
 
 from .conftest import REPO
@@ -260,7 +261,7 @@ def test_offload_moves_the_actors_state_to_host_memory():
 
 def test_on_cpu_gpu_memory_does_not_apply_and_the_host_total_is_given():
     p = planner.plan(tiny("trainer.device=cpu", "trainer.n_gpus_per_node=2"))
-    assert p.device == "cpu" and p.gpu is None and p.compute_bytes == 4
+    assert p.device == "cpu" and p.gpu is None and p.compute_bytes == (2 if cpu_has_bf16() else 4)
     peak = max(ph.allocated for ph in p.phases if ph.runs)
     assert p.need_gib == pytest.approx(2 * peak / GiB)  # both workers of the node, no fragmentation factor
     assert "GPU memory does not apply" in p.verdict and "host memory" in p.verdict
@@ -271,10 +272,12 @@ CPU_CHOSEN = {"cpu_pass_efficiency": 0.5, "cpu_decode_efficiency": 0.25, "cpu_de
 
 
 def test_cpu_step_time_is_this_machines_measured_speed_through_the_formulas(monkeypatch):
-    monkeypatch.setattr(planner, "cpu_flops", lambda: 100e9)
-    # 4 x 4 = 16 responses of 100 + 28 = 128 tokens, one optimizer step (no old log-probs), a reference,
-    # generation 5 at a time, the reference in one micro-batch of 16, the update in two of 8.
-    p = planner.plan(tiny("trainer.device=cpu", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
+    monkeypatch.setattr(planner, "cpu_flops", lambda dtype: 100e9)
+    # fp32 (the calibration chosen here is fp32's), 4 x 4 = 16 responses of 100 + 28 = 128 tokens, one
+    # optimizer step (no old log-probs), a reference, generation 5 at a time, the reference in one
+    # micro-batch of 16, the update in two of 8.
+    p = planner.plan(tiny("trainer.device=cpu", "actor_rollout_ref.actor.fsdp_config.param_dtype=fp32",
+                          "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
                           "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "data.max_prompt_length=100",
                           "data.max_response_length=28", "actor_rollout_ref.rollout.generation_batch_size=5",
@@ -292,8 +295,9 @@ def test_cpu_step_time_is_this_machines_measured_speed_through_the_formulas(monk
     assert p.step_seconds == pytest.approx(generation + reference + update)
     assert any("100 GFLOP/s" in n for n in p.notes)
     # two worker processes share the node's cores: each has half the speed for half the rows
-    two = planner.plan(tiny("trainer.device=cpu", "trainer.n_gpus_per_node=2"), calibration=CPU_CHOSEN)
-    one = planner.plan(tiny("trainer.device=cpu"), calibration=CPU_CHOSEN)
+    fp32 = "actor_rollout_ref.actor.fsdp_config.param_dtype=fp32"
+    two = planner.plan(tiny("trainer.device=cpu", "trainer.n_gpus_per_node=2", fp32), calibration=CPU_CHOSEN)
+    one = planner.plan(tiny("trainer.device=cpu", fp32), calibration=CPU_CHOSEN)
     assert two.phase("update").seconds == pytest.approx(one.phase("update").seconds, rel=0.35)
 
 

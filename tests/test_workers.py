@@ -14,6 +14,7 @@ from backend.engine.log_probs import (
     _over_positions,
     _plain_head,
     _vocab_backward,
+    _vocab_backward_eager,
     _vocab_forward,
     head_token_log_probs,
     response_log_probs,
@@ -193,6 +194,26 @@ def test_chunked_log_probs_and_their_gradients_equal_a_whole_log_softmax(monkeyp
     torch.testing.assert_close(lp, expected)
     torch.testing.assert_close(ent, -(whole.exp() * whole).sum(-1).detach())
     torch.testing.assert_close(chunked_grad, logits.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("with_entropy_grad", [False, True])
+def test_the_eager_vocabulary_backward_gives_the_compiled_forms_gradient_and_leaves_the_logits_alone(
+        dtype, temperature, with_entropy_grad):
+    logits = (torch.randn(3, 4, 50) * 4).to(dtype)
+    kept = logits.clone()
+    targets = torch.randint(0, 50, (3, 4))
+    log_prob, entropy, lse = _vocab_forward(logits, targets, temperature, True)
+    z = logits.float() / temperature
+    torch.testing.assert_close(lse, torch.logsumexp(z, -1))
+    torch.testing.assert_close(log_prob, torch.log_softmax(z, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1))
+    grads = torch.randn(3, 4), torch.randn(3, 4) if with_entropy_grad else None
+    got = _vocab_backward_eager(logits, targets, temperature, lse, entropy, *grads)
+    assert got.dtype == dtype and torch.equal(logits, kept)
+    want = _vocab_backward(logits, targets, temperature, lse, entropy, *grads)
+    tolerance = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.float(), want.float(), **tolerance)
 
 
 def test_the_entropy_bonus_gradient_equals_that_of_a_whole_softmax(monkeypatch):

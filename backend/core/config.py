@@ -99,8 +99,9 @@ class OptimConfig:
 
 @dataclass
 class FSDPConfig:
-    param_dtype: str = _f("auto", "Dtype the sharded fp32 weights are gathered and computed in (auto: bf16 on GPUs, "
-                          "fp32 on CPU); gradients are reduced in fp32.", choices=("auto", "bf16", "fp32"))
+    param_dtype: str = _f("auto", "Dtype the sharded fp32 weights are gathered and computed in (auto: bf16 on GPUs "
+                          "and on CPUs with bf16 matrix instructions, AVX512-BF16 or AMX; fp32 on other CPUs); "
+                          "gradients are reduced in fp32.", choices=("auto", "bf16", "fp32"))
     offload_policy: bool = _f(False, "FSDP2 CPU offload: weights, gradients and optimizer state live in CPU memory "
                               "and the optimizer steps there; saves GPU memory, costs speed.")
 

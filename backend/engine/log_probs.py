@@ -23,14 +23,16 @@ def _vocab_forward(logits: Tensor, targets: Tensor, temperature: float, with_ent
     log_prob = a[target], entropy = -sum_v exp(a_v) a_v, lse = logsumexp(z).
 
     logits (rows, R, V) in any dtype, targets (rows, R); returns three (rows, R) fp32 tensors
-    (entropy None unless asked for).
+    (entropy None unless asked for). lse is read off the target's entry (z - a, where a is largest among
+    the entries the model would sample), so the log-softmax is the only reduction over the vocabulary
+    besides the entropy's.
     """
-    z = logits.float() / temperature
-    lse = torch.logsumexp(z, dim=-1, keepdim=True)
-    a = z - lse
-    log_prob = a.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(a.exp() * a).sum(-1) if with_entropy else None
-    return log_prob, entropy, lse.squeeze(-1)
+    z = logits.float() if temperature == 1 else logits.float() / temperature
+    a = torch.log_softmax(z, dim=-1)
+    index = targets.unsqueeze(-1)
+    log_prob = a.gather(-1, index).squeeze(-1)
+    entropy = -torch.linalg.vecdot(a.exp(), a) if with_entropy else None
+    return log_prob, entropy, z.gather(-1, index).squeeze(-1) - log_prob
 
 
 def _vocab_backward(logits: Tensor, targets: Tensor, temperature: float, lse: Tensor, entropy: Tensor | None,
@@ -48,6 +50,27 @@ def _vocab_backward(logits: Tensor, targets: Tensor, temperature: float, lse: Te
     if grad_entropy is not None:
         grad = grad - grad_entropy.unsqueeze(-1) * p * (a + entropy.unsqueeze(-1))
     return (grad / temperature).to(logits.dtype)
+
+
+def _vocab_backward_eager(logits: Tensor, targets: Tensor, temperature: float, lse: Tensor,
+                          entropy: Tensor | None, grad_log_prob: Tensor, grad_entropy: Tensor | None) -> Tensor:
+    """_vocab_backward's gradient for eager execution (CPUs, or layers not compiled): in place on one fp32
+    copy, the target's term added by a scatter instead of a one-hot comparison, so it makes five passes
+    over the (rows, R, V) chunk where the compiled form's steps make a dozen. Compiled, the one-hot form
+    fuses into a single kernel instead, which the in-place scatter would split."""
+    a = logits.to(torch.float32, copy=True)
+    if temperature != 1:
+        a.div_(temperature)
+    p = a.sub_(lse.unsqueeze(-1)).exp()
+    g_lp = grad_log_prob.unsqueeze(-1)
+    if grad_entropy is None:
+        grad = p.mul_(g_lp)
+    else:
+        grad = p.mul_(a.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1)).add_(g_lp))
+    grad.neg_().scatter_add_(-1, targets.unsqueeze(-1), g_lp)
+    if temperature != 1:
+        grad.div_(temperature)
+    return grad.to(logits.dtype)
 
 
 @functools.cache
@@ -137,7 +160,7 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     nothing of a chunk but its log-normaliser, recomputing the softmax in backward. The entropy carries a
     gradient only with entropy_grad (an entropy bonus). `compiled` fuses each chunk's pass (GPUs).
     """
-    fns = _compiled_vocab_pass() if compiled else (_vocab_forward, _vocab_backward)
+    fns = _compiled_vocab_pass() if compiled else (_vocab_forward, _vocab_backward_eager)
     if torch.is_grad_enabled() and logits.requires_grad:
         log_prob, entropy = _VocabPass.apply(logits, targets, temperature, with_entropy, fns)
         if entropy is not None and not entropy_grad:
@@ -207,7 +230,7 @@ def head_token_log_probs(hidden: Tensor, weight: Tensor, targets: Tensor, temper
     Returns fp32 (b, R) log-probs and entropies (None unless with_entropy); gradients reach both hidden
     and weight.
     """
-    fns = _compiled_vocab_pass() if compiled else (_vocab_forward, _vocab_backward)
+    fns = _compiled_vocab_pass() if compiled else (_vocab_forward, _vocab_backward_eager)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         log_prob, entropy = _HeadVocabPass.apply(hidden, weight, targets, temperature, with_entropy, fns)
         if entropy is not None and not entropy_grad:

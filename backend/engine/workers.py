@@ -76,9 +76,9 @@ class ActorRolloutRefWorker(RankWorker):
         self.actor.train()
         opt = arr.actor.optim
         # With LoRA only the adapters train: the frozen base gets no gradients and no AdamW state.
-        # Fused on GPUs: one kernel for every parameter instead of a launch per parameter group (faster on
-        # the benchmark workload, docs/performance.md); offloaded parameters step on the CPU as before.
-        fused = self.device.type == "cuda" and not arr.actor.fsdp_config.offload_policy
+        # Fused: one kernel for every parameter instead of a pass per operation and parameter (faster on the
+        # GPU workload and on the CPU, docs/performance.md); offloaded parameters step on the CPU as before.
+        fused = not arr.actor.fsdp_config.offload_policy
         self.optimizer = torch.optim.AdamW([p for p in self.actor.parameters() if p.requires_grad], lr=opt.lr,
                                            betas=tuple(opt.betas), weight_decay=opt.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -92,6 +92,12 @@ class ActorRolloutRefWorker(RankWorker):
             self.ref = load_model(arr.model.path, torch.device("cpu"), dtype).eval().requires_grad_(False)
             distributed.shard_model(self.ref, self.device, dtype, offload=arr.ref.fsdp_config.offload_policy,
                                     compile_layers=compile_layers, per_layer=not self.ref_gather_once)
+        if self.device.type == "cpu" and dtype == torch.bfloat16:
+            # PyTorch's fused CPU attention in bf16 made the passes over a micro-batch of the default config
+            # half as slow again as attention written out in matrix products (which run at bf16 speed there).
+            for model in (self.actor, self.ref):
+                if model is not None:
+                    model.set_attn_implementation("eager")
         self.tokenizer = load_tokenizer(arr.model.path, arr.model.tokenizer_path)
         self.episode_setup = EpisodeSetup.of(self.cfg, self.tokenizer) if arr.rollout.multi_turn.enable else None
         self.rollout = self._rollout_engine(dtype)

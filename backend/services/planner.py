@@ -51,7 +51,7 @@ import torch
 from backend.core.checkpoint import HF
 from backend.core.config import Config, ConfigError, batch_plan, uses_critic, validate_config, yaml_value
 from backend.core.models import ModelError, resolve_model
-from backend.engine.distributed import decoder_layers, gathers_once
+from backend.engine.distributed import cpu_has_bf16, decoder_layers, gathers_once
 from backend.engine.log_probs import LOG_PROB_CHUNK_TOKENS
 from backend.rollout.static_cache import ARCHITECTURES
 
@@ -103,6 +103,13 @@ CALIBRATION: dict[str, float] = {
     "cpu_decode_layer_overhead_s": 0.00125,  # Python and dispatch per decode step and layer (the tiny model's
                                              #    generation is nothing else)
     "cpu_micro_batch_overhead_s": 0.012,  # per forward pass over one micro-batch (a backward counts twice)
+    # In bf16 (param_dtype auto on a CPU with bf16 instructions), as fractions of the bf16 speed (cpu_flops
+    # about 894 GFLOP/s on the same CPU), fitted on configs/default.yaml alone: generation 3.7-5.2 s,
+    # reference 1.2-1.3 s, update 6.8-7.3 s (bench/engine_step.py, the median of 3-4 steps in each of 2 runs).
+    # One pass efficiency for the reference and the update together: the update also spends time the
+    # products do not (AdamW, gradient copies), so the reference alone comes out over-predicted.
+    "cpu_bf16_pass_efficiency": 0.45,
+    "cpu_bf16_decode_efficiency": 0.49,
 }
 
 
@@ -163,9 +170,9 @@ def this_machine() -> str:
     return f"this machine's CPU ({os.cpu_count()} cores{f', {memory:.0f} GiB' if memory else ''})"
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_flops() -> float:
-    """This machine's fp32 matrix-multiply speed in FLOP/s: one core's, times torch's threads (what a run's worker
+@functools.lru_cache(maxsize=2)
+def cpu_flops(dtype: torch.dtype = torch.float32) -> float:
+    """This machine's matrix-multiply speed in `dtype` in FLOP/s: one core's, times torch's threads (what a run's worker
     uses), measured once per process. One core's is the fastest of the products of two 512 x 512 matrices made in
     0.3 s on a thread of its own: with two threads, the speed measured on this 2-core machine ranged from 22 to
     194 GFLOP/s with other work running, as a product waits for its slower thread; one thread's stayed at
@@ -177,7 +184,7 @@ def cpu_flops() -> float:
     def measure() -> None:
         torch.set_num_threads(1)
         try:
-            a = torch.randn(512, 512)
+            a = torch.randn(512, 512, dtype=dtype)
             best = math.inf
             end = time.perf_counter() + 0.3
             while (start := time.perf_counter()) < end:
@@ -420,7 +427,7 @@ def _target(cfg: Config, gpu: str | None) -> tuple[str, GPU | None, list[str]]:
 def _compute_bytes(param_dtype: str, device: str) -> int:
     """Bytes a value in the compute dtype takes, as backend.engine.distributed.param_dtype picks it."""
     if param_dtype == "auto":
-        return 2 if device == "cuda" else 4
+        return 2 if device == "cuda" or cpu_has_bf16() else 4
     return {"bf16": 2, "fp32": 4}[param_dtype]
 
 
@@ -536,9 +543,13 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         flops = gpu.tflops * 1e12 * cal["mfu"] * (1.0 if c == 2 else cal["fp32_flops_fraction"])
         bw = gpu.bandwidth_tbs * 1e12 * cal["decode_efficiency_hf" if engine == "hf" else "decode_efficiency_workbench"]
     elif not on_gpu:
-        machine = cpu_flops() / per_node  # the node's worker processes share its cores
-        flops, overhead = machine * cal["cpu_pass_efficiency"], cal["cpu_micro_batch_overhead_s"]
-        notes.append(f"times are for this machine's CPU ({cpu_flops() / 1e9:.0f} GFLOP/s measured in fp32 matrix "
+        speed = cpu_flops(torch.bfloat16 if c == 2 else torch.float32)
+        machine = speed / per_node  # the node's worker processes share its cores
+        # In bf16 the matrix products run 4-5 times as fast on a CPU with bf16 instructions, the rest of a
+        # pass (norms, the optimizer, gradient copies) no faster: a smaller share of that speed.
+        cpu = "cpu_bf16_" if c == 2 else "cpu_"
+        flops, overhead = machine * cal[f"{cpu}pass_efficiency"], cal["cpu_micro_batch_overhead_s"]
+        notes.append(f"times are for this machine's CPU ({speed / 1e9:.0f} GFLOP/s measured in {dtype} matrix "
                      "products) with nothing else running; other work here slows them down")
 
     def seconds(value):
@@ -550,7 +561,7 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         """One decode step over bg rows: on a GPU reading the weights and half the KV cache; on a CPU its products."""
         if on_gpu:
             return step_overhead + (c * P + 0.5 * kv) / bw
-        return 2 * P * bg / (machine * cal["cpu_decode_efficiency"]) + cal["cpu_decode_layer_overhead_s"] * L
+        return 2 * P * bg / (machine * cal[f"{cpu}decode_efficiency"]) + cal["cpu_decode_layer_overhead_s"] * L
 
     gen_s = None if engine == "vllm" else seconds(lambda: math.ceil(rows_rank / bg) * (
         R * decode_step_s() + 2 * P * bg * d.max_prompt_length / flops))
