@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -39,10 +40,10 @@ Batch = dict[str, torch.Tensor]
 _PASSED_ENV = ("GRPO_WB_CACHE", "HF_HOME", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                "NVSHMEM_DISABLE_NVLS", "NCCL_DEBUG")
 # glibc's allocator in a rank that computes on the CPU, read as its process starts: one arena for all threads,
-# every allocation from it, nothing returned to the system. By default a block over 32 MiB (a chunk of
-# logits, a gradient) is mapped afresh for each use and every page of it faulted in again, and a thread's own
-# arena does that even for smaller ones: half the update's time on the 2-core CPU went there. The rank keeps
-# the memory of its largest phase instead.
+# every allocation from it, nothing returned to the system. By default the blocks of 16 MiB and more that a
+# thread allocates (a chunk of logits, a layer's gradients) are mapped afresh for each use and every page of
+# them faulted in again: the default config's update took 7.5 s that way on the 2-core CPU, 4.4 s with these.
+# The rank keeps the memory of its largest phase instead.
 CPU_MALLOC_TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
 _POLL_S = 0.5
 # How long a failed call waits for Ray to report a rank's death before blaming the rank that raised: when one
@@ -186,6 +187,34 @@ def worker_device(cfg: Config) -> str:
     return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
 
 
+@functools.cache
+def _rank_class(cls: type, built_by_start: bool) -> type:
+    """`cls` as a Ray actor with a `start()` that the group calls first, returning `where()`.
+
+    built_by_start (CPU ranks): the constructor only keeps its arguments and `start()` builds the rank. Ray
+    runs an actor's constructor on the process's main thread and, with concurrency groups, its calls on
+    another; torch work on both makes two OpenMP thread teams, which on a small machine throttle each
+    other's waits (a decode step's small matrix product took twice as long on the 2-core CPU, the default
+    config's step 12 s instead of 8). Built by a call, the rank computes on one thread. GPU ranks are built
+    by the constructor as before: their work is on the device, and what is built there (vLLM's engine) has
+    only run that way."""
+    class Rank(cls):
+        def __init__(self, *args):
+            if built_by_start:
+                self._args = args
+            else:
+                cls.__init__(self, *args)
+
+        def start(self) -> dict:
+            if built_by_start:
+                cls.__init__(self, *self._args)
+                del self._args
+            return self.where()
+
+    Rank.__name__ = Rank.__qualname__ = cls.__name__
+    return Rank
+
+
 class WorkerGroup:
     """`trainer.nnodes x trainer.n_gpus_per_node` ranks, placed together, one torch.distributed group."""
 
@@ -250,9 +279,9 @@ class WorkerGroup:
 
         self.head = HeadWatch(ray.get_runtime_context().gcs_address, lost)
         self.where: list[dict] = [{"rank": r} for r in range(self.world_size)]
-        self.where = self._run([w.where.remote() for w in self.workers], "start-up")
-        self._run([c.where.remote() for c in self.critics], "critic start-up")
-        self._run([m.where.remote() for m in self.reward_models], "reward model start-up")
+        self.where = self._run([w.start.remote() for w in self.workers], "start-up")
+        self._run([c.start.remote() for c in self.critics], "critic start-up")
+        self._run([m.start.remote() for m in self.reward_models], "reward model start-up")
 
     def _meeting_point(self) -> tuple[str, int]:
         """Where a process group of the ranks meets: a store this controller serves, held as long as the
@@ -264,11 +293,11 @@ class WorkerGroup:
 
     def _spawn(self, cls: type, bundle: dict, share: float, addr: str, port: int, args: Callable) -> list:
         """One Ray actor of `cls` per rank, rank r in bundle r of the placement with `share` of its resources."""
-        remote_cls = ray.remote(concurrency_groups={"monitor": 1})(cls)
-        on_cpu = {"env_vars": {"GLIBC_TUNABLES": CPU_MALLOC_TUNABLES}}
+        on_gpu = bool(bundle.get("GPU"))
+        remote_cls = ray.remote(concurrency_groups={"monitor": 1})(_rank_class(cls, built_by_start=not on_gpu))
         return [remote_cls.options(
                     num_cpus=bundle["CPU"] * share, num_gpus=bundle.get("GPU", 0) * share, max_restarts=0,
-                    runtime_env=None if bundle.get("GPU") else on_cpu,
+                    runtime_env=None if on_gpu else {"env_vars": {"GLIBC_TUNABLES": CPU_MALLOC_TUNABLES}},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement,
                                                                          placement_group_bundle_index=r),
                 ).remote(*args(r, addr, port))

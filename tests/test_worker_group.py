@@ -1,0 +1,59 @@
+"""How the group starts its CPU ranks: built by a call on the thread their calls run on, with allocator
+settings that keep their memory mapped."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+from backend.engine.worker_group import CPU_MALLOC_TUNABLES, _rank_class
+
+
+class Built:
+    def __init__(self, *args):
+        self.args, self.thread = args, threading.get_ident()
+
+    def where(self) -> dict:
+        return {"args": self.args, "thread": self.thread}
+
+
+def test_a_cpu_rank_is_built_by_its_start_call_on_that_calls_thread_and_a_gpu_rank_by_its_constructor():
+    rank = _rank_class(Built, built_by_start=True)(1, 2)
+    assert not hasattr(rank, "thread")  # the constructor kept the arguments only
+    got: list[dict] = []
+    caller = threading.Thread(target=lambda: got.append(rank.start()))
+    caller.start()
+    caller.join()
+    assert got == [{"args": (1, 2), "thread": caller.ident}]
+    gpu = _rank_class(Built, built_by_start=False)(3)
+    assert gpu.thread == threading.get_ident() and gpu.start() == {"args": (3,), "thread": threading.get_ident()}
+    assert _rank_class(Built, built_by_start=True).__name__ == "Built"  # Ray's logs name the rank's own class
+
+
+FAULTS = """
+import resource, threading, torch
+def faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        a, b = torch.ones(12 * 2**20), torch.ones(12 * 2**20)  # 48 MiB each, written and freed
+        del a, b
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+out = []
+t = threading.Thread(target=lambda: out.extend([faults(), faults()]))  # a rank's calls run on a thread
+t.start(); t.join()
+print(out[1])
+"""
+
+
+def test_the_cpu_ranks_allocator_settings_keep_a_freed_block_mapped_for_the_next_one():
+    def faults(env: dict) -> int:
+        run = subprocess.run([sys.executable, "-c", FAULTS], env=env, capture_output=True, text=True, check=True)
+        return int(run.stdout)
+
+    plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    # 40 blocks of 48 MiB are 491,520 pages of 4 KiB: faulted in again each time by default, not at all
+    # the second time round with the settings
+    assert faults(plain) > 400_000
+    assert faults({**plain, "GLIBC_TUNABLES": CPU_MALLOC_TUNABLES}) < 1_000
