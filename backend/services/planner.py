@@ -104,12 +104,13 @@ CALIBRATION: dict[str, float] = {
                                              #    generation is nothing else)
     "cpu_micro_batch_overhead_s": 0.012,  # per forward pass over one micro-batch (a backward counts twice)
     # In bf16 (param_dtype auto on a CPU with bf16 instructions), as fractions of the bf16 speed (cpu_flops
-    # about 894 GFLOP/s on the same CPU), fitted on configs/default.yaml alone: generation 3.7-5.2 s,
-    # reference 1.2-1.3 s, update 6.8-7.3 s (bench/engine_step.py, the median of 3-4 steps in each of 2 runs).
-    # One pass efficiency for the reference and the update together: the update also spends time the
-    # products do not (AdamW, gradient copies), so the reference alone comes out over-predicted.
-    "cpu_bf16_pass_efficiency": 0.45,
-    "cpu_bf16_decode_efficiency": 0.49,
+    # about 900 GFLOP/s on the same CPU), fitted on configs/default.yaml alone: generation 2.4-3.2 s,
+    # reference 0.9-1.2 s, update 4.4-5.3 s (bench/engine_step.py and bench/cpu_vs_trl.py, 2026-12-03). One
+    # pass efficiency for the reference and the update together: the update also spends time the products
+    # do not (AdamW, gradient copies), so the reference alone comes out over-predicted (1.5 s).
+    "cpu_bf16_pass_efficiency": 0.63,
+    "cpu_bf16_decode_efficiency": 0.35,
+    "cpu_bf16_decode_layer_overhead_s": 0.0005,
 }
 
 
@@ -561,7 +562,7 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         """One decode step over bg rows: on a GPU reading the weights and half the KV cache; on a CPU its products."""
         if on_gpu:
             return step_overhead + (c * P + 0.5 * kv) / bw
-        return 2 * P * bg / (machine * cal[f"{cpu}decode_efficiency"]) + cal["cpu_decode_layer_overhead_s"] * L
+        return 2 * P * bg / (machine * cal[f"{cpu}decode_efficiency"]) + cal[f"{cpu}decode_layer_overhead_s"] * L
 
     gen_s = None if engine == "vllm" else seconds(lambda: math.ceil(rows_rank / bg) * (
         R * decode_step_s() + 2 * P * bg * d.max_prompt_length / flops))
