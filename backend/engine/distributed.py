@@ -81,6 +81,7 @@ def param_dtype(setting: str, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[setting]
 
 
+@functools.cache
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices natively."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()

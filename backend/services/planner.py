@@ -51,7 +51,7 @@ import torch
 from backend.core.checkpoint import HF
 from backend.core.config import Config, ConfigError, batch_plan, uses_critic, validate_config, yaml_value
 from backend.core.models import ModelError, resolve_model
-from backend.engine.distributed import cpu_has_bf16, decoder_layers, gathers_once
+from backend.engine.distributed import decoder_layers, gathers_once, param_dtype
 from backend.engine.log_probs import LOG_PROB_CHUNK_TOKENS
 from backend.rollout.static_cache import ARCHITECTURES
 
@@ -425,11 +425,9 @@ def _target(cfg: Config, gpu: str | None) -> tuple[str, GPU | None, list[str]]:
     return "cuda", seen, []
 
 
-def _compute_bytes(param_dtype: str, device: str) -> int:
-    """Bytes a value in the compute dtype takes, as backend.engine.distributed.param_dtype picks it."""
-    if param_dtype == "auto":
-        return 2 if device == "cuda" or cpu_has_bf16() else 4
-    return {"bf16": 2, "fp32": 4}[param_dtype]
+def _compute_bytes(setting: str, device: str) -> int:
+    """Bytes a value in the compute dtype takes, as the workers pick that dtype."""
+    return param_dtype(setting, torch.device(device)).itemsize
 
 
 def _host_memory_gib() -> float | None:
