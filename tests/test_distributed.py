@@ -35,7 +35,8 @@ COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_n
 # Two optimizer steps a step (old log-probs in use), shuffled mini-batches, two micro-batches per rank.
 SHAPE = {"data.train_batch_size": 4, "actor_rollout_ref.rollout.n": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1, "actor_rollout_ref.actor.shuffle": "true",
-         "data.val_files": "[]", "trainer.save_freq": 1, "trainer.max_checkpoints_to_keep": 0}
+         "data.val_files": "[]", "trainer.save_freq": 1, "trainer.max_checkpoints_to_keep": 0,
+         "custom_reward_function.path": str(REPO / "tests" / "signal_reward.py")}
 
 
 def overrides(sample_sets, workers: int, **extra) -> list[str]:
@@ -81,6 +82,16 @@ def test_two_gloo_workers_with_two_micro_batches_each_train_exactly_as_one_with_
     assert len({w["pid"] for w in read_status(two_ranks)["workers"]}) == 2
     assert_same_training(one_rank, two_ranks, [1, 2])
     assert read_metrics(one_rank)[0]["actor/grad_norm"] > 0
+
+
+def test_two_ranks_with_micro_batches_by_tokens_train_exactly_as_one_and_run_as_many_micro_batches(
+        tmp_path, sample_sets, one_rank):
+    """A token budget of two short rows or one long one: a rank's micro-batches depend on its rows'
+    lengths, yet every pass gathers layer by layer, so both ranks must run as many of them (or one waits
+    for the other forever)."""
+    by_tokens = train(tmp_path / "tokens", sample_sets, 2, **{"actor_rollout_ref.actor.use_dynamic_bsz": "true",
+                                                             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 150})
+    assert_same_training(one_rank, by_tokens, [1, 2])
 
 
 def test_each_rank_writes_its_own_shard_of_a_checkpoint(two_ranks):

@@ -96,6 +96,22 @@ def test_log_prob_terms_use_each_passs_micro_batch_capped_at_the_rows_of_a_rank(
     assert worked.phase("old log-prob").terms["logits"] == 86_016
 
 
+def test_micro_batches_by_tokens_are_planned_as_the_rows_of_the_longest_length_the_budget_holds():
+    """A budget of 300 positions holds two 128-token rows: every pass is planned as micro-batches of two,
+    whatever its rows setting, unless its own keys say otherwise."""
+    by_tokens = planner.plan(tiny(*WORKED, "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=300",
+                                  "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=600"),
+                             gpu="h200", calibration=CHOSEN)
+    by_rows = {m: planner.plan(tiny(*WORKED, f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={m}",
+                                    f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={m}",
+                                    f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={m}"),
+                               gpu="h200", calibration=CHOSEN) for m in (2, 4)}
+    assert by_tokens.phase("update").terms == by_rows[2].phase("update").terms
+    assert by_tokens.phase("old log-prob").terms == by_rows[2].phase("old log-prob").terms
+    assert by_tokens.phase("reference log-prob").terms == by_rows[4].phase("reference log-prob").terms
+
+
 def test_the_eager_vocabulary_pass_counts_fp32_temporaries_for_one_chunk_not_the_micro_batch():
     eager = ("actor_rollout_ref.actor.use_torch_compile=false", "data.train_batch_size=64",
              "actor_rollout_ref.actor.ppo_mini_batch_size=32",

@@ -20,6 +20,7 @@ from backend.engine.log_probs import (
     response_log_probs,
     token_log_probs,
 )
+from backend.engine.rank import MicroBatches
 from backend.engine.workers import ActorRolloutRefWorker
 from backend.rollout.base import left_pad
 
@@ -168,7 +169,30 @@ def test_actor_log_probs_match_the_reference_before_any_update(sample_sets, tiny
     _, batch = padded_batch(tiny_tokenizer)
     log_probs, entropy = worker.compute_log_prob(batch)
     torch.testing.assert_close(log_probs, worker.compute_ref_log_prob(batch))
-    assert entropy.shape == log_probs.shape and bool((entropy > 0).all())
+    inside = batch["response_mask"].bool()
+    assert entropy.shape == log_probs.shape
+    assert bool((entropy[inside] > 0).all()) and bool((entropy[~inside] == 0).all())
+
+
+@pytest.mark.parametrize("by_tokens", [False, True])
+def test_log_probs_by_micro_batches_of_single_rows_are_the_whole_batchs_on_every_response_token(
+        sample_sets, tiny_tokenizer, by_tokens):
+    """Each row alone, cut to its own columns (by rows, or by a budget only one row fits in), gives the
+    log-probs the whole padded batch gives; positions past a row's response are 0."""
+    one = {"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 1,
+           "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": 1}
+    if by_tokens:
+        one = {"actor_rollout_ref.actor.use_dynamic_bsz": "true", "data.max_prompt_length": 28,
+               "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 36}
+    worker = one_rank_worker(load_config(None, tiny_overrides(sample_sets, **one)))
+    _, batch = padded_batch(tiny_tokenizer)
+    plain = load_model("tiny-qwen3", torch.device("cpu")).eval()
+    expected, _ = response_log_probs(plain, batch["input_ids"], batch["attention_mask"], 4)
+    expected = expected * batch["response_mask"]
+    actor, entropy = worker.compute_log_prob(batch)
+    torch.testing.assert_close(actor, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(worker.compute_ref_log_prob(batch), expected, atol=1e-5, rtol=1e-5)
+    assert entropy[0, 3] == 0 and bool((entropy[batch["response_mask"].bool()] > 0).all())
 
 
 def test_the_sharded_actor_computes_the_log_probs_of_the_plain_model(sample_sets, tiny_tokenizer):
@@ -176,7 +200,43 @@ def test_the_sharded_actor_computes_the_log_probs_of_the_plain_model(sample_sets
     _, batch = padded_batch(tiny_tokenizer)
     plain = load_model("tiny-qwen3", torch.device("cpu")).eval()
     expected, _ = response_log_probs(plain, batch["input_ids"], batch["attention_mask"], 4)
-    torch.testing.assert_close(worker.compute_log_prob(batch)[0], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(worker.compute_log_prob(batch)[0], expected * batch["response_mask"], atol=1e-5,
+                               rtol=1e-5)
+
+
+def lengths_mask(prompts: list[int], responses: list[int], prompt_width: int, response_width: int) -> torch.Tensor:
+    """An attention mask of left-padded prompts and right-padded responses of these lengths."""
+    return torch.stack([torch.cat([torch.arange(prompt_width) >= prompt_width - p, torch.arange(response_width) < r])
+                        for p, r in zip(prompts, responses, strict=True)]).long()
+
+
+def test_micro_batches_hold_rows_of_similar_length_each_cut_to_the_columns_its_rows_use():
+    mask = lengths_mask([2, 5, 3, 1, 4], [1, 6, 2, 6, 3], prompt_width=6, response_width=7)
+    batch = {"input_ids": torch.arange(5 * 13).view(5, 13), "attention_mask": mask,
+             "response_mask": mask[:, 6:], "token_row": torch.arange(5)}
+    plan = MicroBatches(mask, response_len=7, rows=2)
+    parts = list(plan.split(batch))
+    # Longest first: rows 1 (11) and 3 (7), rows 4 (7) and 2 (5), row 0 (3).
+    assert [mb["token_row"].tolist() for mb, _ in parts] == [[1, 3], [4, 2], [0]]
+    assert [(tuple(mb["input_ids"].shape), r) for mb, r in parts] == [((2, 11), 6), ((2, 7), 3), ((1, 3), 1)]
+    for mb, r in parts:  # every real token kept, in place: the cut drops padding only
+        for i, row in enumerate(mb["token_row"].tolist()):
+            kept = mb["input_ids"][i][mb["attention_mask"][i].bool()]
+            assert torch.equal(kept, batch["input_ids"][row][mask[row].bool()])
+        assert mb["response_mask"].shape == (len(mb["token_row"]), r)
+    joined = plan.join([mb["response_mask"].float() * (mb["token_row"][:, None] + 1) for mb, _ in parts], 7)
+    assert torch.equal(joined, mask[:, 6:].float() * (torch.arange(5)[:, None] + 1))
+
+
+def test_micro_batches_by_tokens_hold_what_fits_in_the_budget_and_split_further_when_ranks_need_more():
+    mask = lengths_mask([3] * 8, [1, 8, 2, 8, 4, 4, 2, 1], prompt_width=4, response_width=8)
+    plan = MicroBatches(mask, response_len=8, rows=100, max_tokens=24)
+    widths = [(end - first, 3 + max(mask[plan.order[first:end], 4:].sum(-1).tolist())) for first, end in plan.spans]
+    assert widths == [(2, 11), (3, 7), (3, 5)]
+    assert all(n * w <= 24 for n, w in widths)
+    assert sorted(plan.order.tolist()) == list(range(8))
+    more = MicroBatches(mask, response_len=8, rows=100, max_tokens=24, at_least=5)
+    assert len(more) == 5 and sum(end - first for first, end in more.spans) == 8
 
 
 def test_chunked_log_probs_and_their_gradients_equal_a_whole_log_softmax(monkeypatch):

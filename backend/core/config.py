@@ -126,6 +126,14 @@ class ActorConfig:
     ppo_mini_batch_size: int = _f(4, "Prompts per optimizer step (times rollout.n responses).", min=1)
     ppo_micro_batch_size_per_gpu: int = _f(8, "Responses per forward/backward pass (gradient accumulation).",
                                            min=1)
+    use_dynamic_bsz: bool = _f(False, "Form the update's micro-batches by tokens instead of rows (verl's name): each "
+                               "holds as many responses as fit in ppo_max_token_len_per_gpu positions, longest "
+                               "first, which bounds the update's activation memory whatever the responses' lengths "
+                               "(ppo_micro_batch_size_per_gpu is then unused). The log-prob passes follow unless "
+                               "their log_prob_use_dynamic_bsz says otherwise.")
+    ppo_max_token_len_per_gpu: int = _f(16384, "With use_dynamic_bsz: the most positions (prompt and response, "
+                                        "padding left out) a micro-batch holds; at least data.max_prompt_length + "
+                                        "data.max_response_length.", min=1)
     ppo_epochs: int = _f(1, "Passes over each step's responses.", min=1)
     shuffle: bool = _f(False, "Shuffle responses between mini-batches.")
     clip_ratio: float = _f(0.2, "PPO clip range, used for both sides unless clip_ratio_low/high are set.", gt=0)
@@ -171,6 +179,11 @@ class ActorConfig:
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = _f(16, "Responses per reference forward pass.", min=1)
+    log_prob_use_dynamic_bsz: bool | None = _f(None, "Reference passes by tokens (see actor.use_dynamic_bsz); "
+                                               "null: as actor.use_dynamic_bsz.")
+    log_prob_max_token_len_per_gpu: int | None = _f(None, "With dynamic micro-batches: the most positions a "
+                                                    "reference pass holds; null: actor.ppo_max_token_len_per_gpu.",
+                                                    min=1)
     fsdp_config: RefFSDPConfig = _section(RefFSDPConfig)
 
 
@@ -217,6 +230,11 @@ class RolloutConfig:
     top_p: float = _f(1.0, "Nucleus sampling mass.", gt=0)
     top_k: int = _f(0, "Sample among the k likeliest tokens (0 = off).", min=0)
     log_prob_micro_batch_size_per_gpu: int = _f(16, "Responses per forward pass for old log-probs.", min=1)
+    log_prob_use_dynamic_bsz: bool | None = _f(None, "Old log-prob passes by tokens (see actor.use_dynamic_bsz); "
+                                               "null: as actor.use_dynamic_bsz.")
+    log_prob_max_token_len_per_gpu: int | None = _f(None, "With dynamic micro-batches: the most positions an old "
+                                                    "log-prob pass holds; null: actor.ppo_max_token_len_per_gpu.",
+                                                    min=1)
     generation_batch_size: int = _f(64, "Most sequences generated at once.", min=1)
     ignore_eos: bool = _f(False, "Keep sampling past the end-of-sequence token up to data.max_response_length "
                           "(fixed-length benchmarks; as vLLM's ignore_eos).")
@@ -723,13 +741,25 @@ def validate_config(cfg: Config) -> None:
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     mini = a.ppo_mini_batch_size * r.n
     # Sizes below 1 already have their own message above; the arithmetic here needs them positive.
-    if world >= 1 and mini >= 1 and a.ppo_micro_batch_size_per_gpu >= 1 and \
+    if world >= 1 and mini >= 1 and a.ppo_micro_batch_size_per_gpu >= 1 and not a.use_dynamic_bsz and \
             mini % (a.ppo_micro_batch_size_per_gpu * world):
         problems.append(f"a mini-batch of {mini} responses (ppo_mini_batch_size={a.ppo_mini_batch_size} x "
                         f"rollout.n={r.n}) does not split into micro-batches of "
                         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}"
                         f" on {world} worker(s): choose a micro-batch that divides {mini // world or mini} "
                         f"({_divisors(mini // world or mini)})")
+    longest = d.max_prompt_length + d.max_response_length
+    budgets = {"actor.ppo_max_token_len_per_gpu": a.ppo_max_token_len_per_gpu} if a.use_dynamic_bsz else {}
+    for name, s in (("ref", cfg.actor_rollout_ref.ref), ("rollout", r)):
+        if s.log_prob_use_dynamic_bsz or (s.log_prob_use_dynamic_bsz is None and a.use_dynamic_bsz):
+            if s.log_prob_max_token_len_per_gpu is None:
+                budgets["actor.ppo_max_token_len_per_gpu"] = a.ppo_max_token_len_per_gpu
+            else:
+                budgets[f"{name}.log_prob_max_token_len_per_gpu"] = s.log_prob_max_token_len_per_gpu
+    for key, budget in budgets.items():
+        if 1 <= budget < longest:
+            problems.append(f"actor_rollout_ref.{key}={budget} is less than the longest row, data.max_prompt_length "
+                            f"+ data.max_response_length = {longest}: a micro-batch must hold at least one row")
     low, high = a.clip_range()
     if not 0 < low < 1:
         problems.append(f"actor_rollout_ref.actor.clip_ratio_low={low} must be between 0 and 1")

@@ -42,7 +42,7 @@ from backend.algos.losses import compute_value_loss
 from backend.core import checkpoint
 from backend.core.models import ModelError, resolve_model
 from backend.engine import distributed
-from backend.engine.rank import PeakMemory, RankWorker, lr_lambda, micro_batches, step_counts, to_device
+from backend.engine.rank import MicroBatches, PeakMemory, RankWorker, lr_lambda, step_counts, to_device
 
 Batch = dict[str, torch.Tensor]
 
@@ -159,15 +159,16 @@ class CriticWorker(RankWorker):
         self.critic.eval()
         response_len = batch["responses"].shape[1]
         parts = []
+        plan = MicroBatches(batch["attention_mask"], response_len, self.cfg["ppo_micro_batch_size_per_gpu"])
         inputs = to_device({k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")}, self.device)
         with self._phase("values"):
-            for mb in micro_batches(inputs, self.cfg["ppo_micro_batch_size_per_gpu"]):
-                values = response_values(self.critic, mb["input_ids"], mb["attention_mask"], response_len)
+            for mb, mb_response_len in plan.split(inputs):
+                values = response_values(self.critic, mb["input_ids"], mb["attention_mask"], mb_response_len)
                 parts.append(torch.where(mb["response_mask"].bool(), values, 0.0))
             self.critic.reshard()  # FSDP keeps the root's parameters gathered after a forward without backward
         self.critic.train()
         # One copy to the host at the end, so the micro-batches run back to back on the device.
-        return torch.cat(parts).cpu()
+        return plan.join(parts, response_len).cpu()
 
     # ---- the update ----
 
@@ -188,7 +189,9 @@ class CriticWorker(RankWorker):
         total = batch["responses"].shape[0]
         response_len = batch["responses"].shape[1]
         counts = counts if counts is not None else step_counts(batch["response_mask"], mini_rows)
-        n_micro_total = sum(math.ceil(min(mini_rows, total - s) / micro) for s in range(0, total, mini_rows))
+        plans = [MicroBatches(batch["attention_mask"][start:start + mini_rows], response_len, micro)
+                 for start in range(0, total, mini_rows)]
+        n_micro_total = sum(len(plan) for plan in plans)
         sums: dict[str, float] = {}
         steps = done = skipped = 0
         batch = to_device(batch, self.device)
@@ -199,8 +202,8 @@ class CriticWorker(RankWorker):
                 self.optimizer.zero_grad(set_to_none=True)
                 step_metrics: dict[str, torch.Tensor] = {}
                 n_micro = 0
-                for mb in micro_batches(mini, micro):
-                    vpreds = response_values(self.critic, mb["input_ids"], mb["attention_mask"], response_len)
+                for mb, mb_response_len in plans[step].split(mini):
+                    vpreds = response_values(self.critic, mb["input_ids"], mb["attention_mask"], mb_response_len)
                     loss, metrics = compute_value_loss(
                         vpreds, mb["returns"], mb["values"], mb["response_mask"],
                         cliprange_value=c["cliprange_value"], loss_agg_mode=c["loss_agg_mode"],

@@ -17,10 +17,71 @@ import torch
 Batch = dict[str, torch.Tensor]
 
 
-def micro_batches(batch: Batch, size: int):
-    n = next(iter(batch.values())).shape[0]
-    for start in range(0, n, size):
-        yield {k: v[start:start + size] for k, v in batch.items()}
+class MicroBatches:
+    """How a batch's rows split into micro-batches, and each cut to the columns its rows use.
+
+    Rows go longest first (prompt and response, padding left out), so a micro-batch holds rows of similar
+    length and is cut from the first column any of its prompts uses to the end of its longest response: the
+    padding a batch carries for its longest row is neither computed nor kept for backward in the others.
+    Each micro-batch holds `rows` rows, or with `max_tokens` (verl's use_dynamic_bsz) as many as fit in
+    that many positions once cut, which bounds a pass's activations whatever the responses' lengths.
+    `at_least`: the fewest micro-batches (ranks that gather the model layer by layer run their collectives
+    once per micro-batch, so they must all run as many). Every row's loss counts the same in whichever
+    micro-batch it falls (the losses divide by the step's counts), so the order changes no result beyond
+    float rounding.
+    """
+
+    def __init__(self, attention_mask: torch.Tensor, response_len: int, rows: int, max_tokens: int | None = None,
+                 at_least: int = 1):
+        mask = attention_mask.cpu()
+        self.prompt_width = mask.shape[1] - response_len
+        prompt = mask[:, :self.prompt_width].sum(-1)
+        response = mask[:, self.prompt_width:].sum(-1).clamp(min=1)
+        self.order = (prompt + response).argsort(descending=True, stable=True)
+        self._prompt, self._response = prompt[self.order].tolist(), response[self.order].tolist()
+        self.spans: list[tuple[int, int]] = []  # [first, end) of each micro-batch in the sorted rows
+        first, n = 0, len(self._prompt)
+        while first < n:
+            end = first + 1
+            while end < n and (end + 1 - first <= rows if max_tokens is None
+                               else (end + 1 - first) * self._width(first, end + 1) <= max_tokens):
+                end += 1
+            self.spans.append((first, end))
+            first = end
+        while len(self.spans) < min(at_least, n):
+            first, end = max(self.spans, key=lambda s: s[1] - s[0])
+            i = self.spans.index((first, end))
+            middle = (first + end) // 2
+            self.spans[i:i + 1] = [(first, middle), (middle, end)]
+
+    def _width(self, first: int, end: int) -> int:
+        return max(self._prompt[first:end]) + max(self._response[first:end])
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def split(self, batch: Batch):
+        """Each micro-batch of `batch` (its rows in this order, on any device) and its response length:
+        input_ids and attention_mask cut to the micro-batch's columns, every other tensor of two or more
+        dimensions (the response-shaped ones) to its response length."""
+        order = self.order.to(next(iter(batch.values())).device)
+        ordered = {k: v[order] for k, v in batch.items()}
+        for first, end in self.spans:
+            start = self.prompt_width - max(self._prompt[first:end])
+            response_len = max(self._response[first:end])
+            stop = self.prompt_width + response_len
+            yield {k: v[first:end, start:stop] if k in ("input_ids", "attention_mask")
+                   else v[first:end, :response_len] if v.dim() > 1 else v[first:end]
+                   for k, v in ordered.items()}, response_len
+
+    def join(self, parts: list[torch.Tensor], response_len: int) -> torch.Tensor:
+        """The micro-batches' (rows, their response length) outputs as one (batch rows, response_len)
+        tensor in the batch's order, 0 past each row's response (whichever micro-batch it fell in)."""
+        if not parts:
+            return torch.empty(0, response_len)
+        out = torch.cat([torch.nn.functional.pad(p, (0, response_len - p.shape[1])) for p in parts])
+        inside = torch.arange(response_len) < torch.tensor(self._response)[:, None]
+        return torch.where(inside.to(out.device), out, 0.0)[self.order.argsort().to(out.device)]
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:

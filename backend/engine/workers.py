@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -26,10 +25,10 @@ from backend.engine import distributed
 from backend.engine.log_probs import response_log_probs
 from backend.engine.rank import (
     MarkedRows,
+    MicroBatches,
     PeakMemory,
     RankWorker,
     lr_lambda,
-    micro_batches,
     node_ip,
     step_counts,
     to_device,
@@ -201,35 +200,56 @@ class ActorRolloutRefWorker(RankWorker):
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(b, R) log-probs of the responses under the current policy, and the entropy per position."""
         self.actor.eval()
-        micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+        response_len = batch["responses"].shape[1]
+        plan = self._log_prob_plan(batch, self.cfg.actor_rollout_ref.rollout)
         lps, ents = [], []
         inputs = to_device({k: batch[k] for k in ("input_ids", "attention_mask")}, self.device)
         with self._phase("old_log_prob"), self._gathered(self.actor, self.gather_once):
-            for mb in micro_batches(inputs, micro):
-                lp, ent = response_log_probs(self.actor, mb["input_ids"], mb["attention_mask"],
-                                             batch["responses"].shape[1], self.temperature, with_entropy=True,
-                                             compiled=self.compiled)
+            for mb, mb_response_len in plan.split(inputs):
+                lp, ent = response_log_probs(self.actor, mb["input_ids"], mb["attention_mask"], mb_response_len,
+                                             self.temperature, with_entropy=True, compiled=self.compiled)
                 lps.append(lp)
                 ents.append(ent)
             self.actor.reshard()  # FSDP keeps the root's parameters gathered after a forward without backward
         self.actor.train()
         # One copy to the host at the end, so the micro-batches run back to back on the device.
-        return torch.cat(lps).cpu(), torch.cat(ents).cpu()
+        return plan.join(lps, response_len).cpu(), plan.join(ents, response_len).cpu()
 
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
         """(b, R) log-probs of the responses under the reference model."""
-        micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
-        inputs = to_device({k: batch[k] for k in ("input_ids", "attention_mask")}, self.device)
         model = self.ref if self.ref is not None else self.actor
+        once = self.ref_gather_once if self.ref is not None else self.gather_once
+        plan = self._log_prob_plan(batch, self.cfg.actor_rollout_ref.ref)
+        inputs = to_device({k: batch[k] for k in ("input_ids", "attention_mask")}, self.device)
         reference = lora.reference_mode(self.actor) if self.ref is None else contextlib.nullcontext()
-        gathered = self._gathered(model, self.ref_gather_once if self.ref is not None else self.gather_once)
-        with self._phase("ref"), reference, gathered:
-            parts = [response_log_probs(model, mb["input_ids"], mb["attention_mask"], batch["responses"].shape[1],
+        with self._phase("ref"), reference, self._gathered(model, once):
+            parts = [response_log_probs(model, mb["input_ids"], mb["attention_mask"], mb_response_len,
                                         self.temperature, compiled=self.compiled)[0]
-                     for mb in micro_batches(inputs, micro)]
+                     for mb, mb_response_len in plan.split(inputs)]
             model.reshard()
-        return torch.cat(parts).cpu()
+        return plan.join(parts, batch["responses"].shape[1]).cpu()
+
+    def _log_prob_plan(self, batch: Batch, section) -> MicroBatches:
+        """The micro-batches of a log-prob pass configured by `section` (ref or rollout: its
+        log_prob_* keys, each null meaning the actor's)."""
+        a = self.cfg.actor_rollout_ref.actor
+        dynamic = section.log_prob_use_dynamic_bsz if section.log_prob_use_dynamic_bsz is not None \
+            else a.use_dynamic_bsz
+        max_tokens = section.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu
+        return self._plan(batch["attention_mask"], batch["responses"].shape[1],
+                          section.log_prob_micro_batch_size_per_gpu, max_tokens if dynamic else None)
+
+    def _plan(self, attention_mask: torch.Tensor, response_len: int, rows: int, max_tokens: int | None
+              ) -> MicroBatches:
+        """MicroBatches, as many on every rank: with several ranks the model is gathered layer by layer,
+        so each micro-batch runs collectives, and a rank running fewer would leave the others waiting."""
+        plan = MicroBatches(attention_mask, response_len, rows, max_tokens)
+        if max_tokens is None or self.world_size == 1:
+            return plan  # by rows, equal row counts make equal micro-batch counts
+        count = torch.tensor(len(plan), device=self.device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        return MicroBatches(attention_mask, response_len, rows, max_tokens, at_least=int(count))
 
     # ---- the update ----
 
@@ -265,7 +285,10 @@ class ActorRolloutRefWorker(RankWorker):
         rc = self.cfg.algorithm.rollout_correction
         marked = batch.get("token_row")
         first_forward: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        n_micro_total = math.ceil(total / a.ppo_micro_batch_size_per_gpu)
+        max_tokens = a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None
+        plans = [self._plan(batch["attention_mask"][start:start + mini_rows], response_len,
+                            a.ppo_micro_batch_size_per_gpu, max_tokens) for start in range(0, total, mini_rows)]
+        n_micro_total = sum(len(plan) for plan in plans)
         done = skipped = 0
         batch = to_device(batch, self.device)
         with self._phase("update_actor"):
@@ -276,20 +299,22 @@ class ActorRolloutRefWorker(RankWorker):
                        "loss_scale_factor": a.loss_scale_factor or self.cfg.data.max_response_length}
                 self.optimizer.zero_grad(set_to_none=True)
                 step_losses: dict[str, torch.Tensor] = {}
-                n_micro = math.ceil(mini["responses"].shape[0] / a.ppo_micro_batch_size_per_gpu)
+                plan = plans[step]
                 with self._gathered(self.actor, self.gather_once):
-                    for i, mb in enumerate(micro_batches(mini, a.ppo_micro_batch_size_per_gpu)):
+                    for i, (mb, mb_response_len) in enumerate(plan.split(mini)):
                         if self.gather_once:
                             # Unreduced gradients accumulate in fp32 (FSDP's reduce dtype) until the last
                             # micro-batch reduces them into the shards once.
-                            self.actor.set_requires_gradient_sync(i == n_micro - 1)
+                            self.actor.set_requires_gradient_sync(i == len(plan) - 1)
                         mask = mb["response_mask"].float()
                         log_probs, entropy = response_log_probs(
-                            self.actor, mb["input_ids"], mb["attention_mask"], response_len, self.temperature,
+                            self.actor, mb["input_ids"], mb["attention_mask"], mb_response_len, self.temperature,
                             with_entropy=True, entropy_grad=a.entropy_coeff > 0, compiled=self.compiled)
                         old = mb.get("old_log_probs", log_probs.detach())
                         if "token_row" in mb and step == 0:
-                            first_forward.append((mb["token_row"], log_probs.detach(), entropy.detach()))
+                            pad = (0, response_len - mb_response_len)
+                            first_forward.append((mb["token_row"], torch.nn.functional.pad(log_probs.detach(), pad),
+                                                  torch.nn.functional.pad(entropy.detach(), pad)))
                         is_weights = None
                         if "rollout_log_probs" in mb:
                             weights, is_metrics = rollout_is_weights(old, mb["rollout_log_probs"], mask,
@@ -374,13 +399,14 @@ class ActorRolloutRefWorker(RankWorker):
         token view's "after", in the update's own call. The model is gathered whole, so a rank with fewer
         rows than another (or none) runs no collective but the gather every rank makes."""
         self.actor.eval()
-        micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+        plan = MicroBatches(inputs["attention_mask"], response_len,
+                            self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
         with distributed.unsharded(self.actor):
-            parts = [response_log_probs(self.actor, mb["input_ids"], mb["attention_mask"], response_len,
+            parts = [response_log_probs(self.actor, mb["input_ids"], mb["attention_mask"], mb_response_len,
                                         self.temperature, compiled=self.compiled)[0]
-                     for mb in micro_batches(inputs, micro)]
+                     for mb, mb_response_len in plan.split(inputs)]
         self.actor.train()
-        return torch.cat(parts).cpu() if parts else torch.empty(0, response_len)
+        return plan.join(parts, response_len).cpu()
 
     def memory(self) -> dict[str, float]:
         """Peak GPU memory of this rank in each phase since the last call and over all of them, in GiB:

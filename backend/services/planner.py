@@ -519,9 +519,16 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         notes.append("vLLM's generation time is not predicted (docs/performance.md has what one H200 measured)")
 
     old_runs = batch_plan(cfg).optimizer_steps_per_step > 1 or cfg.algorithm.use_kl_in_reward
-    m_old = min(r.log_prob_micro_batch_size_per_gpu, rows_rank)
-    m_ref = min(ref.log_prob_micro_batch_size_per_gpu, rows_rank)
-    m_upd = min(a.ppo_micro_batch_size_per_gpu, mini_rank)
+    # By tokens (use_dynamic_bsz), a micro-batch holds at most max_tokens // T rows of the longest length.
+    def micro_rows(rows: int, dynamic: bool | None, max_tokens: int | None, cap: int) -> int:
+        dynamic = a.use_dynamic_bsz if dynamic is None else dynamic
+        return min(max(1, (max_tokens or a.ppo_max_token_len_per_gpu) // T) if dynamic else rows, cap)
+
+    m_old = micro_rows(r.log_prob_micro_batch_size_per_gpu, r.log_prob_use_dynamic_bsz,
+                       r.log_prob_max_token_len_per_gpu, rows_rank)
+    m_ref = micro_rows(ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz,
+                       ref.log_prob_max_token_len_per_gpu, rows_rank)
+    m_upd = micro_rows(a.ppo_micro_batch_size_per_gpu, None, None, mini_rank)
     # Compiled, the partitioner keeps about activation_memory_budget of a layer's activations: 0.71 of them at
     # 0.7 in the workload's update on an H200 (0.55, 0.50 and 0.32 at 0.7, 0.5 and 0.3 on the CPU).
     kept = act * (a.activation_memory_budget if fused else 1.0)
@@ -667,6 +674,7 @@ def _halvings(n: int) -> list[int]:
 
 _NOTES = {
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "more micro-batches, the same update",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "more micro-batches, the same update",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "recomputes activations: the update about a third slower",
     "actor_rollout_ref.actor.activation_memory_budget": "torch.compile recomputes the cheapest activations in "
                                                         "backward: a little more compute in the update",
@@ -690,10 +698,13 @@ def _candidates(cfg: Config, device: str) -> list[tuple[str, list[Any]]]:
     W = n_gpus * cfg.trainer.nnodes
     mini_rank = a.ppo_mini_batch_size * r.n // W
     rows_rank = math.ceil(cfg.data.train_batch_size * r.n / W)
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     out: list[tuple[str, list[Any]]] = [
         # micro-batches must divide a worker's share of the mini-batch (validate_config says so)
         ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
          [m for m in range(min(a.ppo_micro_batch_size_per_gpu, mini_rank) - 1, 0, -1) if mini_rank % m == 0]),
+        ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+         [t for t in _halvings(a.ppo_max_token_len_per_gpu) if t >= longest] if a.use_dynamic_bsz else []),
         ("actor_rollout_ref.actor.activation_memory_budget",
          [b for b in (0.7, 0.5, 0.3) if b < a.activation_memory_budget] if device == "cuda" and a.use_torch_compile
          else []),
