@@ -168,6 +168,11 @@ def test_step_time_terms(worked):
     gc = planner.plan(tiny(*WORKED, "actor_rollout_ref.model.enable_gradient_checkpointing=true"), gpu="h200",
                       calibration=CHOSEN)
     assert gc.phase("update").seconds == pytest.approx(8 * P * tokens / flops)
+    # LoRA: the base's weight gradients are not computed, only the adapters' (forward, input gradient, and
+    # the adapters' weight gradient)
+    lora = planner.plan(tiny(*WORKED, "actor_rollout_ref.model.lora_rank=4"), gpu="h200", calibration=CHOSEN)
+    trained = planner.lora_params(planner.model_dims("tiny-qwen3"), 4, ["all-linear"])
+    assert lora.phase("update").seconds == pytest.approx((4 * P + 2 * trained) * tokens / flops)
 
 
 def test_hf_engine_holds_no_copy_but_gathers_the_actor_for_generation():

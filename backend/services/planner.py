@@ -575,7 +575,10 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
     def forward_s(m: int) -> float | None:
         return seconds(lambda: 2 * P * tokens / flops + math.ceil(rows_rank / m) * overhead)
 
-    update_s = seconds(lambda: a.ppo_epochs * ((8 if gc else 6) * P * tokens / flops
+    # Per parameter and token: 2 FLOPs forward, 2 for the activations' gradient, 2 for the weight's, which
+    # LoRA computes for its adapters only; checkpointing adds a forward.
+    update_flops = 4 * P + 2 * trained + (2 * P if gc else 0)
+    update_s = seconds(lambda: a.ppo_epochs * (update_flops * tokens / flops
                                                + 2 * math.ceil(rows_rank / m_upd) * overhead))
 
     # ---- the critic and the reward model: their own processes on the same GPUs, holding their own ----
