@@ -9,6 +9,12 @@ The first step of each is a warm-up and is not counted.
     python bench/grpo_step.py --tokenizer ../shared/models/smollm2-tokenizer --small --skip-trl   # CPU check
     python bench/grpo_step.py --realistic --steps 4                 # SmolLM2-135M-Instruct on arithmetic
     python bench/grpo_step.py --tokenizer .tok --steps 4 --rollout vllm   # the same workload, vLLM generating
+    python bench/grpo_step.py --tokenizer .tok --arch qwen3-8b --lora-rank 16 --steps 3 --micro-batch 16 \
+        --trl-micro-batch 32                                         # ten times larger, LoRA on both sides
+
+--arch qwen3-8b: the same workload on Qwen3-8B's architecture (random bf16 weights, made on the GPU). Full
+fine-tuning does not fit one H200 (`python -m backend plan` says what does); --lora-rank gives both engines
+adapters of that rank on every linear layer but the head (TRL through PEFT: `pip install peft`).
 
 --realistic: the second row of the issue: SmolLM2-135M-Instruct with its real weights on the arithmetic
 sample set (chat-templated prompts), responses end at EOS (at most 256 tokens), same algorithm settings.
@@ -40,26 +46,38 @@ import engine_step  # noqa: E402
 import trl_grpo  # noqa: E402
 
 PROMPTS, SAMPLES, RESPONSE = 64, 8, 256
+ARCHITECTURES = {
+    "qwen3-0.6b": engine_step.QWEN3_06B,
+    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False,
+                     rope_theta=1e6, max_position_embeddings=40960),
+}
 KL_COEF, LR = 0.04, 1e-6
 H200_BF16_FLOPS = 989e12  # dense bf16 peak of the spec sheet; MFU is quoted against it
 
 
-def build_model(tokenizer_dir: str, out: Path, small: bool, chat_template: bool = False) -> Path:
+def build_model(tokenizer_dir: str, out: Path, small: bool, chat_template: bool = False,
+                arch: str = "qwen3-0.6b") -> Path:
     """The random Qwen3 model, saved with a tokenizer whose chat template is removed: both engines then
     see the same plain-text prompts of about 8 tokens, as the workload says. `chat_template` keeps it (the
-    multi-turn benchmark renders episodes with it)."""
+    multi-turn benchmark renders episodes with it). The 8B one is made in bf16 on the GPU where there is one
+    (fp32 on the host would take 33 GB and minutes)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     if not chat_template:
         tokenizer.chat_template = None
-    dims = dict(engine_step.QWEN3_06B)
+    dims = dict(ARCHITECTURES[arch])
     if small:
         dims.update(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     intermediate_size=128, vocab_size=len(tokenizer))
     config = Qwen3Config(**dims, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    large = arch != "qwen3-0.6b" and not small
+    with torch.device("cuda" if large and torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if large else torch.float32)
+    model.save_pretrained(out)
+    del model
     tokenizer.save_pretrained(out)
     if not chat_template:
         (out / "chat_template.jinja").unlink(missing_ok=True)
@@ -97,6 +115,9 @@ def main() -> None:
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--rollout", default="auto", choices=("auto", "workbench", "hf", "vllm"),
                    help="our rollout engine (actor_rollout_ref.rollout.name)")
+    p.add_argument("--arch", default="qwen3-0.6b", choices=sorted(ARCHITECTURES),
+                   help="the random model's architecture (not with --realistic)")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank for both engines")
     p.add_argument("--small", action="store_true", help="a 2-layer model and 4 x 4 x 16: checks the script on CPU")
     p.add_argument("--out", default=None)
     p.add_argument("--write-workload", metavar="DIR", default=None,
@@ -121,13 +142,15 @@ def main() -> None:
         task = ["data.max_prompt_length=128"]
         label = "SmolLM2-135M-Instruct, arithmetic, EOS allowed"
     else:
-        model_dir = build_model(args.tokenizer, work / "model", args.small)
+        model_dir = build_model(args.tokenizer, work / "model", args.small, arch=args.arch)
         prompts = trl_grpo.random_prompts(prompts_n)
         data = write_prompts(prompts, work / "prompts.parquet")
         task = ["data.max_prompt_length=16", "actor_rollout_ref.rollout.ignore_eos=true",
                 f"custom_reward_function.path={BENCH / 'bench_reward.py'}",
                 "custom_reward_function.name=distinct_words"]
-        label = "qwen3-0.6b architecture (random)" if not args.small else "2-layer qwen3 (random)"
+        label = f"{args.arch} architecture (random)" if not args.small else "2-layer qwen3 (random)"
+    if args.lora_rank:
+        label += f", LoRA rank {args.lora_rank}"
     ours_overrides = task + [
         f"data.train_files=[{data}]", f"data.train_batch_size={prompts_n}",
         f"data.max_response_length={response}", f"actor_rollout_ref.rollout.n={samples}",
@@ -140,6 +163,7 @@ def main() -> None:
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
         f"actor_rollout_ref.actor.optim.lr={LR}", "actor_rollout_ref.actor.optim.weight_decay=0.0",
         "trainer.logger=[console]", f"actor_rollout_ref.rollout.name={args.rollout}",
+        f"actor_rollout_ref.model.lora_rank={args.lora_rank}",
     ] + list(args.overrides)
     engine = f"ours ({args.rollout})"
     ours = engine_step.measure("configs/default.yaml", ours_overrides, args.steps, engine, model_dir, label)
@@ -147,7 +171,7 @@ def main() -> None:
     if not args.skip_trl:
         trl = trl_grpo.run_trl(str(model_dir), prompts, steps=args.steps, num_generations=samples,
                                max_completion_length=response, force_length=not args.realistic, beta=KL_COEF, lr=LR,
-                               micro_batch=args.trl_micro_batch)
+                               micro_batch=args.trl_micro_batch, lora_rank=args.lora_rank)
 
     from transformers import AutoConfig
 
@@ -156,9 +180,11 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    # With EOS allowed the lengths vary, so MFU is only given for the fixed-length workload.
-    flops = None if args.realistic else update_flops(n_params, config.vocab_size * config.hidden_size, rows,
-                                                     8 + response, response)
+    # With EOS allowed the lengths vary, and LoRA skips most weight gradients: MFU is only given for full
+    # fine-tuning on the fixed-length workload. An untied model's input embedding is a lookup, not a product.
+    head = config.vocab_size * config.hidden_size
+    flops = None if args.realistic or args.lora_rank else update_flops(
+        n_params - (0 if config.tie_word_embeddings else head), head, rows, 8 + response, response)
     table = {
         "median step (s)": (ours["median_step_s"], trl and trl["median"]["step"]),
         "generate (s)": (ours["median_gen_s"], trl and trl["median"]["gen"]),
@@ -183,9 +209,10 @@ def main() -> None:
     print(f"our per-phase peaks: { {k: v for k, v in ours.items() if k.startswith('peak_')} }")
 
     device = torch.cuda.get_device_name().replace(" ", "-").lower() if torch.cuda.is_available() else "cpu"
-    kind = "smollm2" if args.realistic else "grpo-step"
+    kind = "smollm2" if args.realistic else "grpo-step" + ("" if args.arch == "qwen3-0.6b" else f"-{args.arch}")
     out = Path(args.out) if args.out else BENCH / "results" / f"{time.strftime('%Y-%m-%d')}-{device}-{kind}.json"
-    workload = {"label": label, "prompts": prompts_n, "samples": samples, "response_tokens": response,
+    workload = {"label": label, "lora_rank": args.lora_rank, "prompts": prompts_n, "samples": samples,
+                "response_tokens": response,
                 "kl_coef": KL_COEF, "lr": LR, "our_micro_batch": min(args.micro_batch, rows),
                 "our_activation_memory_budget": args.activation_memory_budget,
                 "trl_micro_batch": args.trl_micro_batch, "update_flops": flops}

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct on the GPU machine: ours against TRL on the realistic row (bench/grpo_step.py
 # --realistic), with what torch.compile recompiled, then the arithmetic recipe's memory: one run alone and
-# RUNS runs side by side on the same card, STEPS steps each without validation. The runs' metrics are copied
-# to OUT.
+# RUNS runs side by side on the same card, STEPS steps each without validation; OUT/recipe-memory.json holds
+# each run's step times and peaks.
 #
 #   SMOLLM2_GGUF=<file> bash bench/smollm2_gpu.sh <OUT> [realistic] [recipe]
 #
@@ -42,6 +42,21 @@ for part in "${PARTS[@]}"; do
     for i in $(seq 1 "$RUNS"); do
       echo "side by side $i: $(python3 -c "import json; print(json.load(open('$OUT/recipe-side-$i/status.json'))['state'])")"
     done
-    find "$OUT" -path '*/recipe-*/*' \( -name checkpoints -o -name export -o -name rollouts \) -prune -exec rm -rf {} +
+    # One JSON of what each run measured (its steps' times and peaks, its config's micro-batching); the run
+    # directories stay behind, their files are too many to bring back.
+    python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+runs = {}
+for run in sorted(out.glob("recipe-*/")):
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"timing_s/step"' in line]
+    keys = ("timing_s/step", "timing_s/gen", "timing_s/ref", "timing_s/update_actor",
+            "perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb")
+    runs[run.name] = {"state": json.loads((run / "status.json").read_text())["state"],
+                      "steps": [{k: m.get(k) for k in ("step", *keys)} for m in steps]}
+(out / "recipe-memory.json").write_text(json.dumps(runs, indent=1))
+PY
+    rm -rf "$OUT"/recipe-*/
   fi
 done

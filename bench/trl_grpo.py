@@ -119,6 +119,8 @@ def run_trl(
     gradient_checkpointing: bool = True,
     reward_fn: Callable[..., list[float]] | None = None,
     device: str = "auto",
+    lora_rank: int = 0,
+    lora_alpha: float = 16.0,
 ) -> dict[str, Any]:
     """Train `steps` optimizer steps of TRL's GRPOTrainer and time each one (see the module docstring).
 
@@ -127,7 +129,9 @@ def run_trl(
     micro-batches of `micro_batch` completions. top_k <= 0 means no top-k. bf16=None: bf16 weights on CUDA,
     fp32 on CPU; bf16=True on CPU: fp32 weights in TRL's autocast to bf16. reward_fn has TRL's signature
     (prompts, completions, completion_ids, **kwargs) -> floats.
-    device: "cpu", "cuda" or "auto".
+    device: "cpu", "cuda" or "auto". lora_rank > 0: PEFT adapters of that rank (and lora_alpha) on every
+    linear layer but the head, as our actor_rollout_ref.model.lora_rank; TRL's reference is then the base
+    with the adapters off, as ours (needs `pip install peft`).
 
     Returns per-step lists (`step_s`, `gen_s`, ... with the warm-up first), medians over the steps after
     the first (`median`), `tokens_per_s` (median of generated tokens / gen seconds), `generated_tokens_per_step`,
@@ -207,8 +211,14 @@ def run_trl(
         seed=0,
     )
     dataset = datasets.Dataset.from_dict({"prompt": list(prompts)})
+    peft_config = None
+    if lora_rank:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules="all-linear",
+                                 task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn or distinct_token_reward, args=args,
-                          train_dataset=dataset, processing_class=tokenizer)
+                          train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
 
     # ---- hooks: wrap, don't edit TRL ----
     clock = PhaseClock(cuda)
@@ -318,7 +328,8 @@ def run_trl(
         "completions_per_step": completions, "micro_batch": micro_batch, "gradient_accumulation_steps": grad_accum,
         "steps_per_generation": args.steps_per_generation, "generation_batch_size": args.generation_batch_size,
         "num_iterations": args.num_iterations, "steps": steps, "max_completion_length": max_completion_length,
-        "force_length": force_length, "beta": beta, "lr": lr, "loss_type": args.loss_type,
+        "force_length": force_length, "beta": beta, "lr": lr, "lora_rank": lora_rank, "lora_alpha": lora_alpha,
+        "loss_type": args.loss_type,
         "scale_rewards": args.scale_rewards, "temperature": temperature, "top_p": top_p, "top_k": args.top_k,
         "bf16": bf16, "weights_dtype": str(dtype).removeprefix("torch."),
         "gradient_checkpointing": gradient_checkpointing, "reference_model": trainer.ref_model is not None,
@@ -371,6 +382,7 @@ def main() -> None:
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="TRL's default, on")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--lora-rank", type=int, default=0, help="PEFT LoRA adapters of this rank (0: every weight)")
     p.add_argument("--json", default=None, help="write the result dict here")
     args = p.parse_args()
 
@@ -380,7 +392,8 @@ def main() -> None:
                      max_completion_length=args.max_completion_length, force_length=args.force_length,
                      beta=args.beta, lr=args.lr, micro_batch=args.micro_batch, temperature=args.temperature,
                      top_p=args.top_p, top_k=args.top_k, bf16=args.bf16,
-                     gradient_checkpointing=args.gradient_checkpointing, device=args.device)
+                     gradient_checkpointing=args.gradient_checkpointing, device=args.device,
+                     lora_rank=args.lora_rank)
     print_table(result)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
