@@ -106,14 +106,17 @@ def test_one_update_changes_every_trainable_parameter_and_not_the_reference(samp
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
 
 
-def test_the_update_hands_back_log_probs_of_marked_rows_before_and_after_it_as_passes_of_their_own(sample_sets,
-                                                                                                   tiny_tokenizer):
+@pytest.mark.parametrize("micro", [1, 4])
+def test_the_update_hands_back_log_probs_of_marked_rows_before_and_after_it_as_passes_of_their_own(
+        sample_sets, tiny_tokenizer, micro):
     """What the token view reads when a step takes one optimizer step: as "before", the update's own first
     forward of the rows marked with token_row (in mark order, whatever order the rows came in), equal to
-    a log-prob pass before the update; as "after", a pass at the update's end, equal to one after it."""
+    a log-prob pass before the update; as "after", a pass at the update's end, equal to one after it. With
+    4 rows a micro-batch, a 3-token response shares it with 4-token ones: 0 past its end, as a pass gives."""
     cfg = load_config(None, tiny_overrides(sample_sets, **{"actor_rollout_ref.actor.ppo_mini_batch_size": 2,
                                                           "actor_rollout_ref.rollout.n": 2,
-                                                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1}))
+                                                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu":
+                                                              micro}))
     worker = one_rank_worker(cfg)
     _, batch = padded_batch(tiny_tokenizer)
     batch = {k: torch.cat([v, v.flip(0)]) for k, v in batch.items()}  # 4 rows, one optimizer step

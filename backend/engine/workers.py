@@ -312,9 +312,12 @@ class ActorRolloutRefWorker(RankWorker):
                             with_entropy=True, entropy_grad=a.entropy_coeff > 0, compiled=self.compiled)
                         old = mb.get("old_log_probs", log_probs.detach())
                         if "token_row" in mb and step == 0:
+                            # As the log-prob passes give them: 0 past each row's response, width response_len.
+                            inside = mb["attention_mask"][:, -mb_response_len:].bool()
                             pad = (0, response_len - mb_response_len)
-                            first_forward.append((mb["token_row"], torch.nn.functional.pad(log_probs.detach(), pad),
-                                                  torch.nn.functional.pad(entropy.detach(), pad)))
+                            first_forward.append((mb["token_row"], *(
+                                torch.nn.functional.pad(torch.where(inside, v.detach(), 0.0), pad)
+                                for v in (log_probs, entropy))))
                         is_weights = None
                         if "rollout_log_probs" in mb:
                             weights, is_metrics = rollout_is_weights(old, mb["rollout_log_probs"], mask,
