@@ -131,7 +131,7 @@ def run_trl(
     (prompts, completions, completion_ids, **kwargs) -> floats.
     device: "cpu", "cuda" or "auto". lora_rank > 0: PEFT adapters of that rank (and lora_alpha) on every
     linear layer but the head, as our actor_rollout_ref.model.lora_rank; TRL's reference is then the base
-    with the adapters off, as ours (needs `pip install peft`).
+    with the adapters off, as ours.
 
     Returns per-step lists (`step_s`, `gen_s`, ... with the warm-up first), medians over the steps after
     the first (`median`), `tokens_per_s` (median of generated tokens / gen seconds), `generated_tokens_per_step`,
