@@ -251,6 +251,12 @@ def test_derived_numbers_say_when_a_count_is_not_whole():
     assert numbers["micro-batches per mini-batch per device"] == "2.66667 (16 / 6 is not whole)"
 
 
+def test_derived_numbers_with_micro_batches_by_tokens_give_the_budget_not_a_count_of_rows():
+    cfg = load_config(None, ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096"])
+    assert C.derived_numbers(cfg)["micro-batches per mini-batch per device"] == "by tokens, up to 4096 positions each"
+
+
 # ---- the command line ----
 
 def test_overrides_from_defaults_reproduce_the_config():

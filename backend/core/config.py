@@ -971,6 +971,7 @@ def derived_numbers(cfg: Config) -> dict[str, int | str]:
         "responses per mini-batch": plan.responses_per_mini_batch,
         "optimizer steps per training step": ratio(cfg.data.train_batch_size, a.ppo_mini_batch_size,
                                                    plan.optimizer_steps_per_step, a.ppo_epochs),
-        "micro-batches per mini-batch per device": ratio(plan.responses_per_mini_batch, micro,
-                                                         plan.micro_batches_per_mini_batch),
+        "micro-batches per mini-batch per device": (
+            f"by tokens, up to {a.ppo_max_token_len_per_gpu} positions each" if a.use_dynamic_bsz
+            else ratio(plan.responses_per_mini_batch, micro, plan.micro_batches_per_mini_batch)),
     }
