@@ -14,9 +14,10 @@ The first step of each is a warm-up and is not counted.
 
 --arch qwen3-8b: the same workload on Qwen3-8B's architecture (random bf16 weights, made on the GPU). Full
 fine-tuning does not fit one H200 (`python -m backend plan` says what does); --lora-rank gives both engines
-adapters of that rank on every linear layer but the head (TRL through PEFT, which the workbench installs for its own LoRA).
+adapters of that rank on every linear layer but the head (TRL through PEFT, which the workbench installs for
+its own LoRA).
 
---realistic: the second row of the issue: SmolLM2-135M-Instruct with its real weights on the arithmetic
+--realistic: the realistic row: SmolLM2-135M-Instruct with its real weights on the arithmetic
 sample set (chat-templated prompts), responses end at EOS (at most 256 tokens), same algorithm settings.
 
 --rollout: our rollout engine (actor_rollout_ref.rollout.name): auto (the default: the workbench engine here),

@@ -249,7 +249,9 @@ def run_trl(
 
     @functools.wraps(logps)
     def timed_logps(model: Any, *a: Any, **kw: Any) -> Any:
-        if model is trainer.ref_model:
+        # With LoRA, TRL's reference pass is the policy inside PEFT's disable_adapter().
+        if model is trainer.ref_model or (lora_rank and any(getattr(m, "disable_adapters", False)
+                                                            for m in model.modules() if hasattr(m, "lora_A"))):
             phase = "ref"
         elif torch.is_grad_enabled():
             phase = "update_forward"  # the policy forward inside the loss, part of update
