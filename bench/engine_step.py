@@ -31,7 +31,7 @@ from backend.engine.trainer import Trainer  # noqa: E402
 
 PHASES = ["gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "step"]
 
-# Qwen3-0.6B's architecture (the performance issue's workload), with random weights.
+# Qwen3-0.6B's architecture (the performance workload), with random weights.
 QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                  intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
                  max_position_embeddings=40960)

@@ -1,4 +1,4 @@
-"""The performance issue's workload, our engine against TRL's GRPOTrainer in one call, on one GPU.
+"""The performance workload, our engine against TRL's GRPOTrainer in one call, on one GPU.
 
 Workload: Qwen3-0.6B's architecture with random weights (bf16 compute), the SmolLM2 tokenizer, 64 distinct
 plain-text prompts of about 8 tokens x 8 samples = 512 responses, each exactly 256 new tokens (EOS

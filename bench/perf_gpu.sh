@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine for the performance issue: ours vs TRL on the workload (bench/grpo_step.py),
+# One call on the GPU machine for the performance workload: ours vs TRL on the workload (bench/grpo_step.py),
 # our first step vs a plain fp32 step (bench/reference_step.py), and the planner against measured peaks on
 # three configs (bench/plan_check.py). Each part runs even when an earlier one failed.
 #   bash bench/perf_gpu.sh <tokenizer folder> <output folder>
