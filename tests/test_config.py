@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,16 @@ def test_a_multi_turn_run_may_leave_the_whole_reward_to_its_environment():
     assert cfg.reward.rule_weight == 0
     with pytest.raises(ConfigError, match="leaves nothing to score"):
         load_config(None, ["reward.rule_weight=0"])
+
+
+@pytest.mark.parametrize("overrides", [
+    ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100"],
+    ["actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=100"],
+    ["algorithm.adv_estimator=gae", "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=100"],
+])
+def test_a_token_budget_below_the_longest_row_is_refused_naming_its_key(overrides):
+    key = overrides[-1].split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}=100 is less than the longest row") as error:
+        load_config(None, ["data.max_prompt_length=64", "data.max_response_length=64", *overrides])
+    assert str(error.value).count("is less than the longest row") == 1  # one message for the one mistake
+    load_config(None, ["data.max_prompt_length=50", "data.max_response_length=50", *overrides])  # 100 holds one row

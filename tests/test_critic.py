@@ -98,6 +98,20 @@ def test_micro_batches_accumulate_to_the_gradient_of_the_whole_mini_batch(tiny_t
         assert accumulated[key] == pytest.approx(whole[key], rel=1e-5), key
 
 
+def test_micro_batches_by_tokens_give_the_values_and_update_of_one_whole_micro_batch(tiny_tokenizer):
+    """A budget of 30 positions holds one of the two rows (29 and 9 positions), so each row runs alone, cut
+    to its own columns: the same values, loss and gradient norm as both rows in one micro-batch."""
+    results = []
+    for extra in ({"ppo_micro_batch_size_per_gpu": 2}, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 30}):
+        worker = one_rank_critic(loss_agg_mode="seq-mean-token-mean", **extra)
+        batch = fitting_batch(worker, tiny_tokenizer)
+        results.append((batch["values"], worker.update_critic(batch, mini_rows=2)))
+    (whole_values, whole), (values, by_tokens) = results
+    torch.testing.assert_close(values, whole_values, atol=1e-5, rtol=1e-5)
+    for key in ("critic/vf_loss", "critic/grad_norm"):
+        assert by_tokens[key] == pytest.approx(whole[key], rel=1e-5), key
+
+
 def test_a_step_with_a_non_finite_gradient_is_skipped_and_counted(tiny_tokenizer):
     worker = one_rank_critic()
     batch = fitting_batch(worker, tiny_tokenizer)

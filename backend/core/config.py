@@ -378,6 +378,10 @@ class CriticConfig:
     model: CriticModelConfig = _section(CriticModelConfig)
     optim: CriticOptimConfig = _section(CriticOptimConfig)
     ppo_micro_batch_size_per_gpu: int = _f(8, "Responses per critic forward/backward pass.", min=1)
+    use_dynamic_bsz: bool = _f(False, "Form the critic's micro-batches (values and update) by tokens, as "
+                               "actor_rollout_ref.actor.use_dynamic_bsz (verl's name).")
+    ppo_max_token_len_per_gpu: int = _f(32768, "With use_dynamic_bsz: the most positions a critic micro-batch "
+                                        "holds; at least data.max_prompt_length + data.max_response_length.", min=1)
     cliprange_value: float = _f(0.5, "How far a value prediction may move from the rollout's value (PPO value "
                                 "clipping).", min=0)
     grad_clip: float = _f(1.0, "Clip the critic's gradient norm to this value.", gt=0)
@@ -803,7 +807,12 @@ def validate_config(cfg: Config) -> None:
                         f"actor_rollout_ref.rollout.n must be >= 2 (got {r.n})")
     if uses_critic(cfg):
         micro = cfg.critic.ppo_micro_batch_size_per_gpu
-        if world >= 1 and mini >= 1 and micro >= 1 and mini % (micro * world):
+        if cfg.critic.use_dynamic_bsz:
+            if 1 <= cfg.critic.ppo_max_token_len_per_gpu < longest:
+                problems.append(f"critic.ppo_max_token_len_per_gpu={cfg.critic.ppo_max_token_len_per_gpu} is less "
+                                f"than the longest row, data.max_prompt_length + data.max_response_length = "
+                                f"{longest}: a micro-batch must hold at least one row")
+        elif world >= 1 and mini >= 1 and micro >= 1 and mini % (micro * world):
             problems.append(f"a mini-batch of {mini} responses does not split into micro-batches of "
                             f"critic.ppo_micro_batch_size_per_gpu={micro} on {world} worker(s): choose one that "
                             f"divides {mini // world or mini} ({_divisors(mini // world or mini)})")

@@ -42,7 +42,15 @@ from backend.algos.losses import compute_value_loss
 from backend.core import checkpoint
 from backend.core.models import ModelError, resolve_model
 from backend.engine import distributed
-from backend.engine.rank import MicroBatches, PeakMemory, RankWorker, lr_lambda, step_counts, to_device
+from backend.engine.rank import (
+    MicroBatches,
+    PeakMemory,
+    RankWorker,
+    lr_lambda,
+    micro_batches_on_ranks,
+    step_counts,
+    to_device,
+)
 
 Batch = dict[str, torch.Tensor]
 
@@ -50,7 +58,8 @@ REQUIRED_KEYS = ("model_path", "enable_gradient_checkpointing", "lr", "betas", "
                  "cliprange_value", "ppo_micro_batch_size_per_gpu", "loss_agg_mode", "param_dtype",
                  "offload_policy", "use_torch_compile", "seed")
 # The schedule is the actor's: constant after an optional linear warm-up, or cosine.
-OPTIONAL_KEYS = {"lr_warmup_steps": 0, "warmup_style": "constant", "min_lr_ratio": 0.0, "loss_scale_factor": None}
+OPTIONAL_KEYS = {"lr_warmup_steps": 0, "warmup_style": "constant", "min_lr_ratio": 0.0, "loss_scale_factor": None,
+                 "use_dynamic_bsz": False, "ppo_max_token_len_per_gpu": 32768}
 
 
 def load_value_model(name_or_path: str, seed: int) -> torch.nn.Module:
@@ -159,7 +168,7 @@ class CriticWorker(RankWorker):
         self.critic.eval()
         response_len = batch["responses"].shape[1]
         parts = []
-        plan = MicroBatches(batch["attention_mask"], response_len, self.cfg["ppo_micro_batch_size_per_gpu"])
+        plan = self._plan(batch["attention_mask"], response_len)
         inputs = to_device({k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")}, self.device)
         with self._phase("values"):
             for mb, mb_response_len in plan.split(inputs):
@@ -169,6 +178,15 @@ class CriticWorker(RankWorker):
         self.critic.train()
         # One copy to the host at the end, so the micro-batches run back to back on the device.
         return plan.join(parts, response_len).cpu()
+
+    def _plan(self, attention_mask: torch.Tensor, response_len: int) -> MicroBatches:
+        """The micro-batches of a values pass or an update's mini-batch: by rows, or with use_dynamic_bsz by
+        ppo_max_token_len_per_gpu positions (verl's critic keys; the values pass uses the same budget)."""
+        c = self.cfg
+        return micro_batches_on_ranks(attention_mask, response_len,
+                                      c["ppo_micro_batch_size_per_gpu"],
+                                      c["ppo_max_token_len_per_gpu"] if c["use_dynamic_bsz"] else None,
+                                      self.world_size, self.device)
 
     # ---- the update ----
 
@@ -185,11 +203,10 @@ class CriticWorker(RankWorker):
         """
         self._progress = ()
         c = self.cfg
-        micro = c["ppo_micro_batch_size_per_gpu"]
         total = batch["responses"].shape[0]
         response_len = batch["responses"].shape[1]
         counts = counts if counts is not None else step_counts(batch["response_mask"], mini_rows)
-        plans = [MicroBatches(batch["attention_mask"][start:start + mini_rows], response_len, micro)
+        plans = [self._plan(batch["attention_mask"][start:start + mini_rows], response_len)
                  for start in range(0, total, mini_rows)]
         n_micro_total = sum(len(plan) for plan in plans)
         sums: dict[str, float] = {}

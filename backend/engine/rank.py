@@ -84,6 +84,19 @@ class MicroBatches:
         return torch.where(inside.to(out.device), out, 0.0)[self.order.argsort().to(out.device)]
 
 
+def micro_batches_on_ranks(attention_mask: torch.Tensor, response_len: int, rows: int, max_tokens: int | None,
+                           world_size: int, device: torch.device) -> MicroBatches:
+    """MicroBatches, as many on every rank: with several ranks the model is gathered layer by layer, so each
+    micro-batch runs collectives, and a rank running fewer would leave the others waiting. Called on every
+    rank at once when micro-batches are by tokens (by rows, equal row counts make equal counts)."""
+    plan = MicroBatches(attention_mask, response_len, rows, max_tokens)
+    if max_tokens is None or world_size == 1:
+        return plan
+    count = torch.tensor(len(plan), device=device)
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    return MicroBatches(attention_mask, response_len, rows, max_tokens, at_least=int(count))
+
+
 def to_device(batch: Batch, device: torch.device) -> Batch:
     """The whole batch on the device in one go, before its micro-batches run: a copy from ordinary
     (pageable) host memory waits for the device to finish its queued work, so one per micro-batch

@@ -547,7 +547,8 @@ def critic_settings(cfg: Config) -> dict:
             "enable_gradient_checkpointing": c.model.enable_gradient_checkpointing, "lr": c.optim.lr,
             "betas": list(c.optim.betas), "weight_decay": c.optim.weight_decay,
             "lr_warmup_steps": c.optim.lr_warmup_steps, "grad_clip": c.grad_clip, "cliprange_value": c.cliprange_value,
-            "ppo_micro_batch_size_per_gpu": c.ppo_micro_batch_size_per_gpu, "loss_agg_mode": c.loss_agg_mode,
+            "ppo_micro_batch_size_per_gpu": c.ppo_micro_batch_size_per_gpu, "use_dynamic_bsz": c.use_dynamic_bsz,
+            "ppo_max_token_len_per_gpu": c.ppo_max_token_len_per_gpu, "loss_agg_mode": c.loss_agg_mode,
             "param_dtype": c.fsdp_config.param_dtype, "offload_policy": c.fsdp_config.offload_policy,
             "use_torch_compile": actor.use_torch_compile, "seed": cfg.trainer.seed,
             # null divides by the generation limit, a constant (verl pads every batch to that width)

@@ -29,6 +29,7 @@ from backend.engine.rank import (
     PeakMemory,
     RankWorker,
     lr_lambda,
+    micro_batches_on_ranks,
     node_ip,
     step_counts,
     to_device,
@@ -237,19 +238,9 @@ class ActorRolloutRefWorker(RankWorker):
         dynamic = section.log_prob_use_dynamic_bsz if section.log_prob_use_dynamic_bsz is not None \
             else a.use_dynamic_bsz
         max_tokens = section.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu
-        return self._plan(batch["attention_mask"], batch["responses"].shape[1],
-                          section.log_prob_micro_batch_size_per_gpu, max_tokens if dynamic else None)
-
-    def _plan(self, attention_mask: torch.Tensor, response_len: int, rows: int, max_tokens: int | None
-              ) -> MicroBatches:
-        """MicroBatches, as many on every rank: with several ranks the model is gathered layer by layer,
-        so each micro-batch runs collectives, and a rank running fewer would leave the others waiting."""
-        plan = MicroBatches(attention_mask, response_len, rows, max_tokens)
-        if max_tokens is None or self.world_size == 1:
-            return plan  # by rows, equal row counts make equal micro-batch counts
-        count = torch.tensor(len(plan), device=self.device)
-        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
-        return MicroBatches(attention_mask, response_len, rows, max_tokens, at_least=int(count))
+        return micro_batches_on_ranks(batch["attention_mask"], batch["responses"].shape[1],
+                                      section.log_prob_micro_batch_size_per_gpu, max_tokens if dynamic else None,
+                                      self.world_size, self.device)
 
     # ---- the update ----
 
@@ -286,8 +277,9 @@ class ActorRolloutRefWorker(RankWorker):
         marked = batch.get("token_row")
         first_forward: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         max_tokens = a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None
-        plans = [self._plan(batch["attention_mask"][start:start + mini_rows], response_len,
-                            a.ppo_micro_batch_size_per_gpu, max_tokens) for start in range(0, total, mini_rows)]
+        plans = [micro_batches_on_ranks(batch["attention_mask"][start:start + mini_rows], response_len,
+                                        a.ppo_micro_batch_size_per_gpu, max_tokens, self.world_size, self.device)
+                 for start in range(0, total, mini_rows)]
         n_micro_total = sum(len(plan) for plan in plans)
         done = skipped = 0
         batch = to_device(batch, self.device)

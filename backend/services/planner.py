@@ -587,7 +587,8 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         cd = model_dims(cfg.critic.model.path or arr.model.path)
         if not (on_gpu and cfg.critic.fsdp_config.offload_policy):
             held["critic fp32 shard, AdamW states and gradients"] = 16 * cd.params / W
-        m_c = min(cfg.critic.ppo_micro_batch_size_per_gpu, mini_rank)
+        m_c = micro_rows(cfg.critic.ppo_micro_batch_size_per_gpu, cfg.critic.use_dynamic_bsz,
+                         cfg.critic.ppo_max_token_len_per_gpu, mini_rank)
         critic_gathered = c * (cd.layer_params + cd.root_params)
         critic_acts = (m_c * T * cd.hidden * (c * cd.layers + act) if cfg.critic.model.enable_gradient_checkpointing
                        else m_c * T * cd.layers * cd.hidden * act)
