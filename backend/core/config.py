@@ -752,18 +752,22 @@ def validate_config(cfg: Config) -> None:
                         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}"
                         f" on {world} worker(s): choose a micro-batch that divides {mini // world or mini} "
                         f"({_divisors(mini // world or mini)})")
+    # Each token budget in use, once under the key that sets it (the log-prob passes' null means the actor's).
     longest = d.max_prompt_length + d.max_response_length
-    budgets = {"actor.ppo_max_token_len_per_gpu": a.ppo_max_token_len_per_gpu} if a.use_dynamic_bsz else {}
+    actor_budget = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+    budgets = {actor_budget: a.ppo_max_token_len_per_gpu} if a.use_dynamic_bsz else {}
     for name, s in (("ref", cfg.actor_rollout_ref.ref), ("rollout", r)):
         if s.log_prob_use_dynamic_bsz or (s.log_prob_use_dynamic_bsz is None and a.use_dynamic_bsz):
             if s.log_prob_max_token_len_per_gpu is None:
-                budgets["actor.ppo_max_token_len_per_gpu"] = a.ppo_max_token_len_per_gpu
+                budgets[actor_budget] = a.ppo_max_token_len_per_gpu
             else:
-                budgets[f"{name}.log_prob_max_token_len_per_gpu"] = s.log_prob_max_token_len_per_gpu
+                budgets[f"actor_rollout_ref.{name}.log_prob_max_token_len_per_gpu"] = s.log_prob_max_token_len_per_gpu
+    if uses_critic(cfg) and cfg.critic.use_dynamic_bsz:
+        budgets["critic.ppo_max_token_len_per_gpu"] = cfg.critic.ppo_max_token_len_per_gpu
     for key, budget in budgets.items():
         if 1 <= budget < longest:
-            problems.append(f"actor_rollout_ref.{key}={budget} is less than the longest row, data.max_prompt_length "
-                            f"+ data.max_response_length = {longest}: a micro-batch must hold at least one row")
+            problems.append(f"{key}={budget} is less than the longest row, data.max_prompt_length + "
+                            f"data.max_response_length = {longest}: a micro-batch must hold at least one row")
     low, high = a.clip_range()
     if not 0 < low < 1:
         problems.append(f"actor_rollout_ref.actor.clip_ratio_low={low} must be between 0 and 1")
@@ -807,12 +811,7 @@ def validate_config(cfg: Config) -> None:
                         f"actor_rollout_ref.rollout.n must be >= 2 (got {r.n})")
     if uses_critic(cfg):
         micro = cfg.critic.ppo_micro_batch_size_per_gpu
-        if cfg.critic.use_dynamic_bsz:
-            if 1 <= cfg.critic.ppo_max_token_len_per_gpu < longest:
-                problems.append(f"critic.ppo_max_token_len_per_gpu={cfg.critic.ppo_max_token_len_per_gpu} is less "
-                                f"than the longest row, data.max_prompt_length + data.max_response_length = "
-                                f"{longest}: a micro-batch must hold at least one row")
-        elif world >= 1 and mini >= 1 and micro >= 1 and mini % (micro * world):
+        if world >= 1 and mini >= 1 and micro >= 1 and not cfg.critic.use_dynamic_bsz and mini % (micro * world):
             problems.append(f"a mini-batch of {mini} responses does not split into micro-batches of "
                             f"critic.ppo_micro_batch_size_per_gpu={micro} on {world} worker(s): choose one that "
                             f"divides {mini // world or mini} ({_divisors(mini // world or mini)})")
