@@ -257,6 +257,14 @@ class ActorRolloutRefConfig:
     ref: RefConfig = _section(RefConfig)
     rollout: RolloutConfig = _section(RolloutConfig)
 
+    def log_prob_token_budget(self, section: RefConfig | RolloutConfig) -> int | None:
+        """The most positions a micro-batch of that log-prob pass holds when it goes by tokens, else None (by
+        rows); its log_prob_* keys left null take the actor's."""
+        dynamic = section.log_prob_use_dynamic_bsz
+        if dynamic is None:
+            dynamic = self.actor.use_dynamic_bsz
+        return (section.log_prob_max_token_len_per_gpu or self.actor.ppo_max_token_len_per_gpu) if dynamic else None
+
 
 # ---- algorithm and reward ----
 
@@ -757,11 +765,10 @@ def validate_config(cfg: Config) -> None:
     actor_budget = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
     budgets = {actor_budget: a.ppo_max_token_len_per_gpu} if a.use_dynamic_bsz else {}
     for name, s in (("ref", cfg.actor_rollout_ref.ref), ("rollout", r)):
-        if s.log_prob_use_dynamic_bsz or (s.log_prob_use_dynamic_bsz is None and a.use_dynamic_bsz):
-            if s.log_prob_max_token_len_per_gpu is None:
-                budgets[actor_budget] = a.ppo_max_token_len_per_gpu
-            else:
-                budgets[f"actor_rollout_ref.{name}.log_prob_max_token_len_per_gpu"] = s.log_prob_max_token_len_per_gpu
+        budget = cfg.actor_rollout_ref.log_prob_token_budget(s)
+        if budget is not None:
+            own = s.log_prob_max_token_len_per_gpu is not None
+            budgets[f"actor_rollout_ref.{name}.log_prob_max_token_len_per_gpu" if own else actor_budget] = budget
     if uses_critic(cfg) and cfg.critic.use_dynamic_bsz:
         budgets["critic.ppo_max_token_len_per_gpu"] = cfg.critic.ppo_max_token_len_per_gpu
     for key, budget in budgets.items():

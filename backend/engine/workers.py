@@ -234,12 +234,9 @@ class ActorRolloutRefWorker(RankWorker):
     def _log_prob_plan(self, batch: Batch, section) -> MicroBatches:
         """The micro-batches of a log-prob pass configured by `section` (ref or rollout: its
         log_prob_* keys, each null meaning the actor's)."""
-        a = self.cfg.actor_rollout_ref.actor
-        dynamic = section.log_prob_use_dynamic_bsz if section.log_prob_use_dynamic_bsz is not None \
-            else a.use_dynamic_bsz
-        max_tokens = section.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu
         return micro_batches_on_ranks(batch["attention_mask"], batch["responses"].shape[1],
-                                      section.log_prob_micro_batch_size_per_gpu, max_tokens if dynamic else None,
+                                      section.log_prob_micro_batch_size_per_gpu,
+                                      self.cfg.actor_rollout_ref.log_prob_token_budget(section),
                                       self.world_size, self.device)
 
     # ---- the update ----

@@ -519,16 +519,14 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         notes.append("vLLM's generation time is not predicted (docs/performance.md has what one H200 measured)")
 
     old_runs = batch_plan(cfg).optimizer_steps_per_step > 1 or cfg.algorithm.use_kl_in_reward
-    # By tokens (use_dynamic_bsz), a micro-batch holds at most max_tokens // T rows of the longest length.
-    def micro_rows(rows: int, dynamic: bool | None, max_tokens: int | None, cap: int) -> int:
-        dynamic = a.use_dynamic_bsz if dynamic is None else dynamic
-        return min(max(1, (max_tokens or a.ppo_max_token_len_per_gpu) // T) if dynamic else rows, cap)
+    # By tokens (use_dynamic_bsz), a micro-batch holds at most budget // T rows of the longest length.
+    def micro_rows(rows: int, budget: int | None, cap: int) -> int:
+        return min(rows if budget is None else max(1, budget // T), cap)
 
-    m_old = micro_rows(r.log_prob_micro_batch_size_per_gpu, r.log_prob_use_dynamic_bsz,
-                       r.log_prob_max_token_len_per_gpu, rows_rank)
-    m_ref = micro_rows(ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz,
-                       ref.log_prob_max_token_len_per_gpu, rows_rank)
-    m_upd = micro_rows(a.ppo_micro_batch_size_per_gpu, None, None, mini_rank)
+    m_old = micro_rows(r.log_prob_micro_batch_size_per_gpu, arr.log_prob_token_budget(r), rows_rank)
+    m_ref = micro_rows(ref.log_prob_micro_batch_size_per_gpu, arr.log_prob_token_budget(ref), rows_rank)
+    m_upd = micro_rows(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+                       mini_rank)
     # Compiled, the partitioner keeps about activation_memory_budget of a layer's activations: 0.71 of them at
     # 0.7 in the workload's update on an H200 (0.55, 0.50 and 0.32 at 0.7, 0.5 and 0.3 on the CPU).
     kept = act * (a.activation_memory_budget if fused else 1.0)
@@ -587,8 +585,8 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         cd = model_dims(cfg.critic.model.path or arr.model.path)
         if not (on_gpu and cfg.critic.fsdp_config.offload_policy):
             held["critic fp32 shard, AdamW states and gradients"] = 16 * cd.params / W
-        m_c = micro_rows(cfg.critic.ppo_micro_batch_size_per_gpu, cfg.critic.use_dynamic_bsz,
-                         cfg.critic.ppo_max_token_len_per_gpu, mini_rank)
+        m_c = micro_rows(cfg.critic.ppo_micro_batch_size_per_gpu,
+                         cfg.critic.ppo_max_token_len_per_gpu if cfg.critic.use_dynamic_bsz else None, mini_rank)
         critic_gathered = c * (cd.layer_params + cd.root_params)
         critic_acts = (m_c * T * cd.hidden * (c * cd.layers + act) if cfg.critic.model.enable_gradient_checkpointing
                        else m_c * T * cd.layers * cd.hidden * act)
