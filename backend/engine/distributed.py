@@ -67,6 +67,10 @@ def init_process_group(rank: int, world_size: int, store_host: str, store_port: 
     store = dist.TCPStore(store_host, store_port, is_master=False, timeout=_MEET_TIMEOUT)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # cuDNN's attention builds an execution graph for each new (rows, positions) shape, tens to hundreds
+        # of milliseconds each, and micro-batches cut to their rows' widths are nearly all new shapes; the
+        # flash kernel prepares nothing per shape (bench/attention_shapes.py, docs/performance.md).
+        torch.backends.cuda.enable_cudnn_sdp(False)
         dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, device_id=device)
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
