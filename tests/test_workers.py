@@ -20,7 +20,7 @@ from backend.engine.log_probs import (
     response_log_probs,
     token_log_probs,
 )
-from backend.engine.rank import MicroBatches
+from backend.engine.rank import COMPILED_WIDTH_MULTIPLE, MicroBatches
 from backend.engine.workers import ActorRolloutRefWorker
 from backend.rollout.base import left_pad
 
@@ -69,13 +69,15 @@ def full_params(model) -> dict[str, torch.Tensor]:
 def test_token_mean_weighs_every_token_alike_whichever_micro_batch_it_falls_in(sample_sets, tiny_tokenizer):
     """Rows of 3 and 4 tokens with advantages +1 and -1, on-policy (ratio 1): the token-mean loss is
     -(3 - 4) / 7 = 1/7 whether the mini-batch runs as one micro-batch or as two, and so is its gradient. A
-    mean per micro-batch weighted by its rows would give (-1 + 1) / 2 = 0 for the two."""
-    def update(micro: int) -> dict[str, float]:
+    mean per micro-batch weighted by its rows would give (-1 + 1) / 2 = 0 for the two. Micro-batches widened
+    into the padding (as compiled layers get them) change nothing either."""
+    def update(micro: int, widened: bool = False) -> dict[str, float]:
         cfg = load_config(None, tiny_overrides(sample_sets, **{"actor_rollout_ref.actor.ppo_mini_batch_size": 1,
                                                               "actor_rollout_ref.rollout.n": 2,
                                                               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu":
                                                                   micro}))
         worker = one_rank_worker(cfg)
+        worker.width_multiple = COMPILED_WIDTH_MULTIPLE if widened else 1
         _, batch = padded_batch(tiny_tokenizer)
         batch["ref_log_probs"] = worker.compute_ref_log_prob(batch)
         batch["advantages"] = torch.tensor([[1.0] * 4, [-1.0] * 4])
@@ -83,10 +85,11 @@ def test_token_mean_weighs_every_token_alike_whichever_micro_batch_it_falls_in(s
         worker.shutdown()
         return metrics
 
-    whole, split = update(2), update(1)
-    assert whole["actor/pg_loss"] == pytest.approx(1 / 7, abs=1e-6)
-    assert split["actor/pg_loss"] == pytest.approx(1 / 7, abs=1e-6)
+    whole, split, widened = update(2), update(1), update(1, widened=True)
+    for metrics in (whole, split, widened):
+        assert metrics["actor/pg_loss"] == pytest.approx(1 / 7, abs=1e-6)
     assert split["actor/grad_norm"] == pytest.approx(whole["actor/grad_norm"], rel=1e-5)
+    assert widened["actor/grad_norm"] == pytest.approx(whole["actor/grad_norm"], rel=1e-5)
 
 
 def test_one_update_changes_every_trainable_parameter_and_not_the_reference(sample_sets, tiny_tokenizer):
@@ -177,17 +180,20 @@ def test_actor_log_probs_match_the_reference_before_any_update(sample_sets, tiny
     assert bool((entropy[inside] > 0).all()) and bool((entropy[~inside] == 0).all())
 
 
-@pytest.mark.parametrize("by_tokens", [False, True])
+@pytest.mark.parametrize("cut", ["rows", "tokens", "widened"])
 def test_log_probs_by_micro_batches_of_single_rows_are_the_whole_batchs_on_every_response_token(
-        sample_sets, tiny_tokenizer, by_tokens):
-    """Each row alone, cut to its own columns (by rows, or by a budget only one row fits in), gives the
-    log-probs the whole padded batch gives; positions past a row's response are 0."""
+        sample_sets, tiny_tokenizer, cut):
+    """Each row alone, cut to its own columns (by rows, by a budget only one row fits in, or widened to 8
+    columns as for compiled layers), gives the log-probs the whole padded batch gives; positions past a
+    row's response are 0."""
     one = {"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 1,
            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": 1}
-    if by_tokens:
+    if cut == "tokens":
         one = {"actor_rollout_ref.actor.use_dynamic_bsz": "true", "data.max_prompt_length": 28,
                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 36}
     worker = one_rank_worker(load_config(None, tiny_overrides(sample_sets, **one)))
+    if cut == "widened":
+        worker.width_multiple = COMPILED_WIDTH_MULTIPLE
     _, batch = padded_batch(tiny_tokenizer)
     plain = load_model("tiny-qwen3", torch.device("cpu")).eval()
     expected, _ = response_log_probs(plain, batch["input_ids"], batch["attention_mask"], 4)
@@ -227,6 +233,28 @@ def test_micro_batches_hold_rows_of_similar_length_each_cut_to_the_columns_its_r
             kept = mb["input_ids"][i][mb["attention_mask"][i].bool()]
             assert torch.equal(kept, batch["input_ids"][row][mask[row].bool()])
         assert mb["response_mask"].shape == (len(mb["token_row"]), r)
+    joined = plan.join([mb["response_mask"].float() * (mb["token_row"][:, None] + 1) for mb, _ in parts], 7)
+    assert torch.equal(joined, mask[:, 6:].float() * (torch.arange(5)[:, None] + 1))
+
+
+def test_micro_batches_for_compiled_layers_are_widened_to_multiples_of_8_columns_or_the_whole_batch():
+    """Compiled layers specialise on a width's divisibility by 8; a cut is widened into the padding, left of
+    the prompts first, then right of the responses, never past the batch; no token moves and the joined
+    outputs are the batch's."""
+    mask = lengths_mask([2, 5, 3, 1, 4], [1, 6, 2, 6, 3], prompt_width=6, response_width=7)
+    batch = {"input_ids": torch.arange(5 * 13).view(5, 13), "attention_mask": mask,
+             "response_mask": mask[:, 6:], "token_row": torch.arange(5)}
+    plan = MicroBatches(mask, response_len=7, rows=2, width_multiple=COMPILED_WIDTH_MULTIPLE)
+    parts = list(plan.split(batch))
+    # Used widths 11, 7 and 3: the first is the whole batch (13 < 16), the others 8 (the last also 1 column
+    # right of its response, its prompt's padding being 4 columns).
+    assert [(tuple(mb["input_ids"].shape), r) for mb, r in parts] == [((2, 13), 7), ((2, 8), 3), ((1, 8), 2)]
+    for mb, r in parts:
+        assert mb["response_mask"].shape == (len(mb["token_row"]), r)
+        for i, row in enumerate(mb["token_row"].tolist()):
+            kept = mb["input_ids"][i][mb["attention_mask"][i].bool()]
+            assert torch.equal(kept, batch["input_ids"][row][mask[row].bool()])
+            assert torch.equal(mb["input_ids"][i, -r:], batch["input_ids"][row, 6:6 + r])
     joined = plan.join([mb["response_mask"].float() * (mb["token_row"][:, None] + 1) for mb, _ in parts], 7)
     assert torch.equal(joined, mask[:, 6:].float() * (torch.arange(5)[:, None] + 1))
 

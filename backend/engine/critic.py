@@ -43,6 +43,7 @@ from backend.core import checkpoint
 from backend.core.models import ModelError, resolve_model
 from backend.engine import distributed
 from backend.engine.rank import (
+    COMPILED_WIDTH_MULTIPLE,
     MicroBatches,
     PeakMemory,
     RankWorker,
@@ -148,8 +149,10 @@ class CriticWorker(RankWorker):
         self.critic = load_value_model(c["model_path"], c["seed"])  # fp32 master weights, sharded below
         if c["enable_gradient_checkpointing"]:
             self.critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        compile_layers = c["use_torch_compile"] and self.device.type == "cuda"
         distributed.shard_model(self.critic, self.device, dtype, offload=c["offload_policy"],
-                                compile_layers=c["use_torch_compile"] and self.device.type == "cuda")
+                                compile_layers=compile_layers)
+        self.width_multiple = COMPILED_WIDTH_MULTIPLE if compile_layers else 1
         self.critic.train()
         self.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=c["lr"], betas=tuple(c["betas"]),
                                            weight_decay=c["weight_decay"])
@@ -186,7 +189,7 @@ class CriticWorker(RankWorker):
         return micro_batches_on_ranks(attention_mask, response_len,
                                       c["ppo_micro_batch_size_per_gpu"],
                                       c["ppo_max_token_len_per_gpu"] if c["use_dynamic_bsz"] else None,
-                                      self.world_size, self.device)
+                                      self.world_size, self.device, self.width_multiple)
 
     # ---- the update ----
 

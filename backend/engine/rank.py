@@ -16,6 +16,12 @@ import torch
 
 Batch = dict[str, torch.Tensor]
 
+# Compiled layers specialise on whether a micro-batch's width is a multiple of 8 (a guard seen with the flash
+# attention kernel), so cuts of any width compile the layers twice, the second time inside a counted step;
+# widths that are all multiples of 8 compile once, for at most 7 columns of padding a micro-batch. Layers that
+# are not compiled (CPUs) take cuts as they are.
+COMPILED_WIDTH_MULTIPLE = 8
+
 
 class MicroBatches:
     """How a batch's rows split into micro-batches, and each cut to the columns its rows use.
@@ -25,6 +31,8 @@ class MicroBatches:
     padding a batch carries for its longest row is neither computed nor kept for backward in the others.
     Each micro-batch holds `rows` rows, or with `max_tokens` (verl's use_dynamic_bsz) as many as fit in
     that many positions once cut, which bounds a pass's activations whatever the responses' lengths.
+    A cut is widened to a multiple of `width_multiple` columns (left into the prompts' padding first, then
+    right into the responses'), or to the whole batch where that is narrower.
     `at_least`: the fewest micro-batches (ranks that gather the model layer by layer run their collectives
     once per micro-batch, so they must all run as many). Every row's loss counts the same in whichever
     micro-batch it falls (the losses divide by the step's counts), so the order changes no result beyond
@@ -32,9 +40,11 @@ class MicroBatches:
     """
 
     def __init__(self, attention_mask: torch.Tensor, response_len: int, rows: int, max_tokens: int | None = None,
-                 at_least: int = 1):
+                 at_least: int = 1, width_multiple: int = 1):
         mask = attention_mask.cpu()
-        self.prompt_width = mask.shape[1] - response_len
+        self.width_multiple = width_multiple
+        self.columns = mask.shape[1]
+        self.prompt_width = self.columns - response_len
         prompt = mask[:, :self.prompt_width].sum(-1)
         response = mask[:, self.prompt_width:].sum(-1).clamp(min=1)
         self.order = (prompt + response).argsort(descending=True, stable=True)
@@ -55,7 +65,8 @@ class MicroBatches:
             self.spans[i:i + 1] = [(first, middle), (middle, end)]
 
     def _width(self, first: int, end: int) -> int:
-        return max(self._prompt[first:end]) + max(self._response[first:end])
+        used = max(self._prompt[first:end]) + max(self._response[first:end])
+        return min(-(-used // self.width_multiple) * self.width_multiple, self.columns)
 
     def __len__(self) -> int:
         return len(self.spans)
@@ -69,6 +80,8 @@ class MicroBatches:
         for first, end in self.spans:
             start = self.prompt_width - max(self._prompt[first:end])
             response_len = max(self._response[first:end])
+            wider = self._width(first, end) - (self.prompt_width - start + response_len)
+            start, response_len = start - min(wider, start), response_len + wider - min(wider, start)
             stop = self.prompt_width + response_len
             yield {k: v[first:end, start:stop] if k in ("input_ids", "attention_mask")
                    else v[first:end, :response_len] if v.dim() > 1 else v[first:end]
@@ -85,16 +98,17 @@ class MicroBatches:
 
 
 def micro_batches_on_ranks(attention_mask: torch.Tensor, response_len: int, rows: int, max_tokens: int | None,
-                           world_size: int, device: torch.device) -> MicroBatches:
+                           world_size: int, device: torch.device, width_multiple: int = 1) -> MicroBatches:
     """MicroBatches, as many on every rank: with several ranks the model is gathered layer by layer, so each
     micro-batch runs collectives, and a rank running fewer would leave the others waiting. Called on every
     rank at once when micro-batches are by tokens (by rows, equal row counts make equal counts)."""
-    plan = MicroBatches(attention_mask, response_len, rows, max_tokens)
+    plan = MicroBatches(attention_mask, response_len, rows, max_tokens, width_multiple=width_multiple)
     if max_tokens is None or world_size == 1:
         return plan
     count = torch.tensor(len(plan), device=device)
     torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
-    return MicroBatches(attention_mask, response_len, rows, max_tokens, at_least=int(count))
+    return MicroBatches(attention_mask, response_len, rows, max_tokens, at_least=int(count),
+                        width_multiple=width_multiple)
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:

@@ -24,6 +24,7 @@ from backend.core.models import load_model, load_tokenizer, resolve_model
 from backend.engine import distributed
 from backend.engine.log_probs import response_log_probs
 from backend.engine.rank import (
+    COMPILED_WIDTH_MULTIPLE,
     MarkedRows,
     MicroBatches,
     PeakMemory,
@@ -103,6 +104,7 @@ class ActorRolloutRefWorker(RankWorker):
         self.rollout = self._rollout_engine(dtype)
         self.temperature = arr.rollout.temperature
         self.compiled = compile_layers
+        self.width_multiple = COMPILED_WIDTH_MULTIPLE if compile_layers else 1
         self.clip_low, self.clip_high = arr.actor.clip_range()
         self.policy_loss = get_policy_loss_fn(arr.actor.policy_loss.loss_mode)
         self._progress: tuple = ()
@@ -237,7 +239,7 @@ class ActorRolloutRefWorker(RankWorker):
         return micro_batches_on_ranks(batch["attention_mask"], batch["responses"].shape[1],
                                       section.log_prob_micro_batch_size_per_gpu,
                                       self.cfg.actor_rollout_ref.log_prob_token_budget(section),
-                                      self.world_size, self.device)
+                                      self.world_size, self.device, self.width_multiple)
 
     # ---- the update ----
 
@@ -275,7 +277,8 @@ class ActorRolloutRefWorker(RankWorker):
         first_forward: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         max_tokens = a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None
         plans = [micro_batches_on_ranks(batch["attention_mask"][start:start + mini_rows], response_len,
-                                        a.ppo_micro_batch_size_per_gpu, max_tokens, self.world_size, self.device)
+                                        a.ppo_micro_batch_size_per_gpu, max_tokens, self.world_size, self.device,
+                                        self.width_multiple)
                  for start in range(0, total, mini_rows)]
         n_micro_total = sum(len(plan) for plan in plans)
         done = skipped = 0
@@ -392,7 +395,8 @@ class ActorRolloutRefWorker(RankWorker):
         rows than another (or none) runs no collective but the gather every rank makes."""
         self.actor.eval()
         plan = MicroBatches(inputs["attention_mask"], response_len,
-                            self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
+                            self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
+                            width_multiple=self.width_multiple)
         with distributed.unsharded(self.actor):
             parts = [response_log_probs(self.actor, mb["input_ids"], mb["attention_mask"], mb_response_len,
                                         self.temperature, compiled=self.compiled)[0]
