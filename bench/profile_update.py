@@ -6,6 +6,7 @@ the profiler. With --generate, the same for generation, first timing generations
 cache and graphs after each call (the default) against ones that keep them (what re-capturing the graphs
 costs). With --plain, the same micro-batches' forward and backward (and the reference's forward) on a
 plain bf16 copy of the model with the same compiled layers and no FSDP: what FSDP's hooks cost on one GPU.
+With --stop-at-eos, responses end at EOS (the realistic row) instead of running to full length.
 
     python bench/profile_update.py configs/default.yaml [key=value ...] --device cuda --rows-note "..."
 
@@ -32,7 +33,7 @@ from backend.core.config import load_config, to_dict  # noqa: E402
 from backend.core.models import load_model  # noqa: E402
 from backend.engine import distributed  # noqa: E402
 from backend.engine.log_probs import response_log_probs  # noqa: E402
-from backend.engine.rank import micro_batches  # noqa: E402
+from backend.engine.rank import COMPILED_WIDTH_MULTIPLE, MicroBatches  # noqa: E402
 from backend.engine.workers import ActorRolloutRefWorker  # noqa: E402
 from backend.kernels import decode_attention  # noqa: E402
 from backend.rollout.base import SamplingParams  # noqa: E402
@@ -46,11 +47,16 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--generate", action="store_true", help="profile generation as well")
     p.add_argument("--plain", action="store_true", help="time the passes on a plain model without FSDP")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="responses end at EOS (the realistic row) instead of running to full length")
     args = p.parse_intermixed_args()
     cfg = load_config(args.config, args.overrides)
     worker = ActorRolloutRefWorker(to_dict(cfg), 0, 1, *distributed.local_meeting_point(), args.device,
                                    total_steps=3)
-    batch = reference_step.rollout_batch(worker, cfg)
+    batch = reference_step.rollout_batch(worker, cfg, ignore_eos=not args.stop_at_eos)
+    lengths = batch["response_mask"].sum(-1).float()
+    print(f"{len(lengths)} responses of {lengths.mean():.0f} tokens on average "
+          f"({lengths.min():.0f}-{lengths.max():.0f})")
     if args.generate:
         profile_generation(worker, batch, args)
     rows = batch["responses"].shape[0]
@@ -107,9 +113,13 @@ def plain_passes(worker: ActorRolloutRefWorker, batch: dict) -> None:
     dev = {k: v.to(worker.device) for k, v in batch.items()}
     response_len = dev["responses"].shape[1]
 
+    def split(rows: int):  # the worker's micro-batches: rows by length, each cut to its columns
+        return MicroBatches(dev["attention_mask"], response_len, rows,
+                            width_multiple=COMPILED_WIDTH_MULTIPLE).split(dev)
+
     def update() -> None:
-        for mb in micro_batches(dev, arr.actor.ppo_micro_batch_size_per_gpu):
-            lp, _ = response_log_probs(model, mb["input_ids"], mb["attention_mask"], response_len,
+        for mb, mb_response_len in split(arr.actor.ppo_micro_batch_size_per_gpu):
+            lp, _ = response_log_probs(model, mb["input_ids"], mb["attention_mask"], mb_response_len,
                                        with_entropy=True, compiled=True)
             mask = mb["response_mask"].float()
             kl = kl_penalty(lp, mb["ref_log_probs"], "low_var_kl")
@@ -118,8 +128,8 @@ def plain_passes(worker: ActorRolloutRefWorker, batch: dict) -> None:
 
     @torch.no_grad()
     def reference() -> None:
-        for mb in micro_batches(dev, arr.ref.log_prob_micro_batch_size_per_gpu):
-            response_log_probs(model, mb["input_ids"], mb["attention_mask"], response_len, compiled=True)
+        for mb, mb_response_len in split(arr.ref.log_prob_micro_batch_size_per_gpu):
+            response_log_probs(model, mb["input_ids"], mb["attention_mask"], mb_response_len, compiled=True)
 
     show = lambda t: ", ".join(f"{x:.3f}" for x in t) + " s"  # noqa: E731
     print("plain bf16 model, no FSDP: update forward+backward " + show(timed(update)))

