@@ -81,7 +81,8 @@ class MicroBatches:
             start = self.prompt_width - max(self._prompt[first:end])
             response_len = max(self._response[first:end])
             wider = self._width(first, end) - (self.prompt_width - start + response_len)
-            start, response_len = start - min(wider, start), response_len + wider - min(wider, start)
+            left = min(wider, start)  # into the prompts' padding first, the rest past the responses
+            start, response_len = start - left, response_len + wider - left
             stop = self.prompt_width + response_len
             yield {k: v[first:end, start:stop] if k in ("input_ids", "attention_mask")
                    else v[first:end, :response_len] if v.dim() > 1 else v[first:end]
