@@ -74,14 +74,26 @@ def remember_opened_run(selection_key: str) -> None:
 _SLOW_IMPORTS = ("pandas", "plotly.graph_objects", "transformers.models.auto.tokenization_auto",
                  "transformers.activations")
 _warm_up_started = threading.Lock()
+_warm_up_done = threading.Event()
 
 
 def _import_slow_modules() -> None:
-    for name in _SLOW_IMPORTS:
-        importlib.import_module(name)
+    try:
+        for name in _SLOW_IMPORTS:
+            importlib.import_module(name)
+    finally:
+        _warm_up_done.set()
 
 
 def warm_up_imports() -> None:
     """Start importing _SLOW_IMPORTS on a thread of their own, the first time only."""
     if _warm_up_started.acquire(blocking=False):
         threading.Thread(target=_import_slow_modules, name="warm-up-imports", daemon=True).start()
+
+
+def imports_warmed_up() -> None:
+    """Wait until the warm-up's imports are done, if it started. A page calls it before anything that imports
+    transformers: a second thread importing transformers while the warm-up is inside it can be handed the
+    half-made module ("cannot import name 'AutoTokenizer' from 'transformers'", seen on a first Data visit)."""
+    if _warm_up_started.locked():
+        _warm_up_done.wait()

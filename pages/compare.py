@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import streamlit as st
-from page_support import OPENED_RUN, editing_config, guarded, is_entry_point
+from page_support import OPENED_RUN, editing_config, guarded, imports_warmed_up, is_entry_point
 
 from backend.core import workspace
 from backend.core.models import SHIPPED, is_model_folder
@@ -173,6 +173,7 @@ def _prompts_section(model_a: str | None, model_b: str | None, temperature: floa
         st.session_state.pop("_compare_answers", None)
         try:
             with st.spinner("Loading the models (once; they stay loaded)..."):
+                imports_warmed_up()
                 compare.load_cached(model_a)
                 compare.load_cached(model_b)
         except Exception as e:  # noqa: BLE001 - any loading failure is a message
@@ -272,6 +273,7 @@ def _batch_section(model_a: str | None, model_b: str | None, temperature: float,
             bar.progress(min(1.0, (offset + done) / max(1, 2 * total)), text=f"{what}: {done}/{total} questions")
 
         try:
+            imports_warmed_up()
             result = compare.compare_on_file(model_a, model_b, data_file, k=k, limit=limit,
                                              temperature=temperature or 1.0, max_new_tokens=max_tokens, seed=seed,
                                              progress=progress)
@@ -317,6 +319,7 @@ def _run_section() -> None:
         with st.status(f"Evaluating {run.name} · {ckpt} on {data_file.name}...", expanded=True) as status:
             bar = st.progress(0.0, text="Loading the model...")
             try:
+                imports_warmed_up()
                 out = compare.evaluate_checkpoint(
                     run.path, ckpt, data_file, limit=limit,
                     progress=lambda done, total: bar.progress(done / max(1, total), text=f"{done}/{total} questions"))

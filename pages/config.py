@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import streamlit as st
-from page_support import guarded
+from page_support import guarded, imports_warmed_up
 
 from backend.core import config as C
 from backend.core import workspace
@@ -323,6 +323,7 @@ def _plan_panel(cfg: C.Config | None) -> None:
                                       help="trainer.n_gpus_per_node for the plan; the YAML is not changed.")
         try:
             with st.spinner("Reading the model's dimensions..."):
+                imports_warmed_up()
                 result = planner.plan(cfg, gpu=None if target == THIS_MACHINE else target, gpus=int(gpus))
         except ConfigError as e:
             _errors(e.problems)

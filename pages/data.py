@@ -25,7 +25,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 import streamlit as st
-from page_support import editing_config, guarded, is_entry_point, markdown_literal, one_line
+from page_support import editing_config, guarded, imports_warmed_up, is_entry_point, markdown_literal, one_line
 
 from backend.core import workspace
 from backend.core.models import SHIPPED, load_tokenizer
@@ -68,6 +68,7 @@ def _summary(path: str, stamp: tuple[int, int]) -> dict[str, Any]:
 
 @st.cache_resource(show_spinner=False, max_entries=4)
 def _tokenizer(model: str):
+    imports_warmed_up()
     return load_tokenizer(model)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -349,3 +351,15 @@ def test_an_environment_that_cannot_load_is_named_and_the_page_still_renders(wor
     assert not at.exception
     assert any("file not found: 'nowhere.py'" in e for e in _texts(at.error))
     _assert_whole_page(at)
+
+
+def test_a_page_that_waits_for_the_import_warm_up_finds_its_modules_imported():
+    """A fresh interpreter starts the server's import warm-up and at once waits for it, as the Data page does
+    before loading a tokenizer: every warmed module is then whole (importing transformers from a second
+    thread while the warm-up is inside it could hand that thread a half-made module)."""
+    code = ("import sys; sys.path.insert(0, 'app'); import page_support as ps; ps.warm_up_imports(); "
+            "ps.imports_warmed_up(); missing = [m for m in ps._SLOW_IMPORTS if m not in sys.modules]; "
+            "from transformers import AutoTokenizer; print(missing)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
