@@ -75,12 +75,22 @@ def test_generation_terms(worked):
     gen = worked.phase("generation")
     bg, T, c = 5, 128, 2  # generation_batch_size 5 < 8 rows per rank
     own = {k: v for k, v in gen.terms.items() if k not in worked.held}
+    # The weights gathered for the engine's copy (213,760) are freed before the cache is made, and the
+    # cache and sampling temporaries are the larger of the two: they are what generation holds.
     assert own == {"KV cache": bg * T * L * 2 * HKV * D * c,                   # 163,840
                    "sampling temporaries": bg * V * 26,                        # 66,560
-                   "weights gathered for the engine copy": c * P,              # 213,760
                    "rollout engine weights (bf16)": c * P}                     # 213,760, freed after it
-    assert gen.allocated == 961_920 + 163_840 + 66_560 + 213_760 + 213_760
+    assert gen.allocated == 961_920 + 163_840 + 66_560 + 213_760
     assert gen.reserved == gen.allocated * 1.5 + 1 * GiB
+    # With one generation row the cache is smaller than the gathered weights, which then make the peak.
+    one_row = planner.plan(tiny(*WORKED, "actor_rollout_ref.rollout.generation_batch_size=1"), gpu="h200",
+                           calibration=CHOSEN).phase("generation")
+    assert {k: v for k, v in one_row.terms.items() if k not in worked.held} == {
+        "weights gathered for the engine copy": c * P, "rollout engine weights (bf16)": c * P}
+    # An engine that keeps its cache has it while the next step's weights are gathered: they add up.
+    kept = planner.plan(tiny(*WORKED, "actor_rollout_ref.rollout.free_cache_engine=false"), gpu="h200",
+                        calibration=CHOSEN).phase("generation")
+    assert {"KV cache", "weights gathered for the engine copy"} <= kept.terms.keys()
 
 
 def test_log_prob_terms_use_each_passs_micro_batch_capped_at_the_rows_of_a_rank(worked):

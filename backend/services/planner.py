@@ -511,9 +511,16 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
     # ---- each phase's own ----
     bg = min(r.generation_batch_size, rows_rank)
     kv = bg * T * L * 2 * dims.kv_heads * dims.head_dim * c
-    gen = {"KV cache": kv, "sampling temporaries": bg * V * cal["sampling_bytes_per_vocab"],
-           ("weights gathered for the engine copy" if engine_copy else "actor weights gathered for sampling"): c * P,
-           **(engine_weights if r.free_cache_engine else {})}
+    decoding = {"KV cache": kv, "sampling temporaries": bg * V * cal["sampling_bytes_per_vocab"]}
+    if engine_copy and r.free_cache_engine:
+        # The engine copies the gathered weights in and frees them before it allocates its cache
+        # (workers.generate): the gathered weights and the cache never live at once.
+        loading = {"weights gathered for the engine copy": c * P}
+        gen = {**max(loading, decoding, key=lambda terms: sum(terms.values())), **engine_weights}
+    else:
+        # The HF engine samples from the gathered weights; a kept engine cache lives while the weights load.
+        gen = {**decoding, ("weights gathered for the engine copy" if engine_copy
+                            else "actor weights gathered for sampling"): c * P}
     if engine == "vllm":
         gen = {VLLM_SHARE: vllm_share} if r.free_cache_engine else {"actor weights gathered for the push": c * P}
         notes.append("vLLM's generation time is not predicted (docs/performance.md has what one H200 measured)")
