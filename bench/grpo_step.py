@@ -9,7 +9,7 @@ The first step of each is a warm-up and is not counted.
     python bench/grpo_step.py --tokenizer ../shared/models/smollm2-tokenizer --small --skip-trl   # CPU check
     python bench/grpo_step.py --realistic --steps 4                 # SmolLM2-135M-Instruct on arithmetic
     python bench/grpo_step.py --tokenizer .tok --steps 4 --rollout vllm   # the same workload, vLLM generating
-    python bench/grpo_step.py --tokenizer .tok --arch qwen3-8b --lora-rank 16 --steps 3 --micro-batch 16 \
+    python bench/grpo_step.py --tokenizer .tok --arch qwen3-8b --lora-rank 16 --steps 2 --micro-batch 16 \
         --trl-micro-batch 32                                         # ten times larger, LoRA on both sides
 
 --arch qwen3-8b: the same workload on Qwen3-8B's architecture (random bf16 weights, made on the GPU). Full
