@@ -35,6 +35,11 @@ _PUBLIC = {
     "Step": "backend.envs.environment",         # what an environment's step returns
     "register_environment": "backend.envs.environment",  # decorator: your environment under a name
     "register_tool": "backend.envs.tools",      # decorator: a function the model can call
+    "SweepSpec": "backend.services.sweeps",     # a sweep: the keys varied (SweepParam), metric, budget, early stopping
+    "SweepParam": "backend.services.sweeps",
+    "create_sweep": "backend.services.sweeps",  # write a sweep's folder from a base config and a SweepSpec
+    "run_sweep": "backend.services.sweeps",     # run it to its end (again after a restart: it continues)
+    "read_sweep": "backend.services.sweeps",    # its trials, their states, metric and why each stopped
 }
 
 __all__ = sorted(_PUBLIC)

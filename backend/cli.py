@@ -336,6 +336,58 @@ class _PassThroughParser(argparse.ArgumentParser):
         return namespace, []
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    import time
+
+    import yaml
+    from tqdm import tqdm
+
+    from backend.core.config import load_config
+    from backend.services import sweeps
+
+    try:
+        if args.resume:
+            folder = Path(args.resume)
+            spec = sweeps.read_spec(folder)
+        else:
+            if args.spec:
+                spec = sweeps.spec_from_dict(yaml.safe_load(Path(args.spec).read_text()), args.spec)
+            else:
+                spec = sweeps.SweepSpec(
+                    params=sweeps.parse_grid(args.grid) + sweeps.parse_ranges(args.ranges), metric=args.metric,
+                    direction=args.direction, trials=args.trials, steps=args.steps, parallel=args.parallel,
+                    early_stopping=args.early_stopping, startup_trials=args.startup_trials,
+                    min_steps=args.min_steps)
+            base = load_config(None if args.config == "defaults" else args.config, args.overrides)
+            name = args.name or time.strftime("sweep-%Y%m%d-%H%M%S")
+            folder = sweeps.create_sweep(base, spec, name=name, runs_root=args.runs_root)
+    except (sweeps.SweepError, OSError, yaml.YAMLError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"sweep: {folder} ({spec.total_trials()} trials, ranked by {spec.metric}, {spec.direction})")
+    bar = None if args.quiet else tqdm(total=spec.total_trials(), desc="trials", unit="trial")
+
+    def show(sweep: dict) -> None:
+        done = sum(t.state not in ("running", "waiting") for t in sweep["trials"])
+        bar.update(done - bar.n)
+        best = sweep["best"]
+        bar.set_postfix_str(f"running {sum(t.state == 'running' for t in sweep['trials'])}"
+                            + (f" | best #{best.number} {best.value:.4g}" if best else ""))
+
+    state = sweeps.run_sweep(folder, on_change=None if bar is None else show)
+    if bar is not None:
+        bar.close()
+    sweep = sweeps.read_sweep(folder)
+    for t in sweep["trials"]:
+        values = " ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in t.values.items())
+        value = "-" if t.value is None else f"{t.value:.4g}"
+        print(f"#{t.number:<3} {t.state:<9} {value:>10}  {values}  {t.reason or ''}".rstrip())
+    best = sweep["best"]
+    print(f"sweep {state}; best: " + (f"#{best.number} {spec.metric}={best.value:.4g} ({best.run})" if best
+                                      else "none (no trial finished)"))
+    return 0
+
+
 def cmd_ui(args: argparse.Namespace) -> int:
     import subprocess
 
@@ -451,6 +503,34 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--data-dir", default="data", help="where a recipe writes the data it makes (default: data/)")
     _add_run_options(r)
     r.set_defaults(func=cmd_recipe)
+
+    sw = sub.add_parser("sweep", help="train a config over a grid or random ranges of keys, rank the trials by a "
+                                      "metric and stop the bad ones early (Optuna)",
+                        description="Each trial is an ordinary run under trainer.runs_root; the sweep's state is in "
+                                    "<runs_root>/sweeps/<name>/ and `--resume` continues it after a restart. Give "
+                                    "overrides before --grid/--range.")
+    sw.add_argument("config", nargs="?", default="defaults", help="YAML config file, or `defaults`")
+    sw.add_argument("overrides", nargs="*", help="overrides of the base config, e.g. trainer.total_training_steps=20")
+    sw.add_argument("--grid", nargs="+", default=[], metavar="KEY=V1,V2",
+                    help="every combination of these values, e.g. actor_rollout_ref.actor.optim.lr=1e-6,3e-6,1e-5")
+    sw.add_argument("--range", nargs="+", default=[], dest="ranges", metavar="KEY=LOW:HIGH[:log]",
+                    help="random values in a range (with --trials), e.g. "
+                         "actor_rollout_ref.actor.optim.lr=1e-7:1e-4:log")
+    sw.add_argument("--spec", default=None, help="a sweep YAML (grid:, ranges:, metric:, direction:, ...) instead")
+    sw.add_argument("--trials", type=int, default=None, help="how many random trials (with --range)")
+    sw.add_argument("--metric", default="critic/score/mean", help="the logged metric trials are ranked by")
+    sw.add_argument("--direction", choices=("max", "min"), default="max")
+    sw.add_argument("--steps", type=int, default=None, help="training steps a trial (default: the config's)")
+    sw.add_argument("--parallel", type=int, default=1, help="trials at once; 0: one per two CPU cores")
+    sw.add_argument("--early-stopping", choices=("off", "median", "halving"), default="off",
+                    help="stop trials whose metric trails the finished ones' (median) or their rung's (halving)")
+    sw.add_argument("--startup-trials", type=int, default=2, help="finished trials before any is stopped early")
+    sw.add_argument("--min-steps", type=int, default=1, help="steps a trial runs before it can be stopped early")
+    sw.add_argument("--name", default="", help="the sweep's folder name and its trials' prefix")
+    sw.add_argument("--runs-root", default=None, help="default: the config's trainer.runs_root")
+    sw.add_argument("--resume", metavar="SWEEP_DIR", default=None, help="continue a sweep after a restart")
+    sw.add_argument("--quiet", action="store_true", help="no progress bar")
+    sw.set_defaults(func=cmd_sweep)
 
     pt = sub.add_parser("plot", help="draw a metric of one or more runs against step into a PNG (or SVG)")
     pt.add_argument("runs", nargs="+", help="run directories")

@@ -75,14 +75,16 @@ _children: dict[int, subprocess.Popen] = {}
 
 # ---- launching ----
 
-def launch(cfg: Config, *, name: str = "", runs_root: str | Path | None = None) -> Path:
+def launch(cfg: Config, *, name: str = "", runs_root: str | Path | None = None,
+           sweep: dict[str, Any] | None = None) -> Path:
     """Start a new run of `cfg` in the background and return its run directory.
 
     Validates first (schema, cross-field rules, files, model); on any problem raises ConfigError and
     creates nothing. `name` (optional) is appended to the timestamped folder name and must be letters,
     digits, '.', '_' and '-'. The run directory goes under `runs_root` (default: cfg.trainer.runs_root).
+    `sweep` ({"name", "trial"}) marks a sweep's trial in its status.json.
     """
-    return _launch(cfg, name=name, runs_root=runs_root, extra_status={})
+    return _launch(cfg, name=name, runs_root=runs_root, extra_status={"sweep": sweep} if sweep else {})
 
 
 def _launch(cfg: Config, *, name: str, runs_root: str | Path | None, extra_status: dict[str, Any],

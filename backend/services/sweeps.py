@@ -1,0 +1,546 @@
+"""Sweeps: runs of one config that differ in a few keys, chosen and stopped early by Optuna.
+
+A sweep lives in `<runs_root>/sweeps/<name>/`:
+
+    sweep.yaml     what was asked: the keys varied and how, the metric and its direction, the budget
+    base.yaml      the config every trial starts from
+    study.journal  Optuna's journal: each trial's settings, state, the metric at each step, its run
+    state.json     the sweep process's own status (state, pid, heartbeat) and how many trials run at once
+
+Each trial is an ordinary run in `<runs_root>` (named `<sweep>-<trial number>`, its status.json says which
+sweep and trial), so the run pages, resume and compare work on it. Optuna chooses the settings (the grid in
+the order written, or its random sampler over ranges) and decides which trial to stop from the metric each
+run logs (its median or successive-halving pruner); this module starts, watches and stops runs, and keeps
+everything on disk, so a sweep continues after the workbench or the machine restarts (`run_sweep` again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+import yaml
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
+
+from backend.core.config import (
+    Config,
+    ConfigError,
+    config_from_yaml_text,
+    field_specs,
+    parse_override,
+    to_yaml,
+)
+from backend.core.runs import atomic_write_text, read_metrics
+from backend.core.workspace import PathError, check_name
+from backend.services import launcher
+
+EARLY_STOPPING = ("off", "median", "halving")
+DIRECTIONS = {"max": "maximize", "min": "minimize"}
+SWEEPS_DIR = "sweeps"
+FINISHED = {TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL}
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+class SweepError(ValueError):
+    """A sweep that cannot be made or read: the message names the key, value or file."""
+
+
+@dataclass
+class SweepParam:
+    """One key a sweep varies: a list of `values` (a grid axis), or a range `low`..`high` sampled at random
+    (on a log scale with `log`; whole numbers when the key is an int)."""
+
+    key: str
+    values: list | None = None
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+
+
+@dataclass
+class SweepSpec:
+    """What a sweep runs: every key in `params` varied over the base config, `steps` training steps a trial,
+    at most `parallel` trials at once (0: as many as the machine holds), ranked by the last value of `metric`
+    a trial logs (`direction` max or min). A grid runs every combination once; ranges run `trials` draws."""
+
+    params: list[SweepParam]
+    metric: str = launcher.SCORE_KEY
+    direction: str = "max"
+    trials: int | None = None
+    steps: int | None = None
+    parallel: int = 1
+    early_stopping: str = "off"
+    # The pruner compares a trial with trials that finished: it waits for this many, and for this many steps
+    # of the trial itself, before it stops one.
+    startup_trials: int = 2
+    min_steps: int = 1
+    seed: int = 0
+
+    @property
+    def is_grid(self) -> bool:
+        return all(p.values is not None for p in self.params)
+
+    def grid(self) -> list[dict[str, Any]]:
+        """Every combination of the grid's values, the first key varying slowest (as written)."""
+        keys = [p.key for p in self.params]
+        return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(p.values for p in self.params))]
+
+    def total_trials(self) -> int:
+        return len(self.grid()) if self.is_grid else int(self.trials or 0)
+
+
+# ---- reading what the user asked ----
+
+def parse_grid(items: list[str]) -> list[SweepParam]:
+    """`key=v1,v2,...` items (the CLI's --grid) -> grid axes."""
+    params = []
+    for item in items:
+        key, raw = _split(item, "key=v1,v2,...")
+        values = [parse_override(f"{key}={v.strip()}")[1] for v in raw.split(",") if v.strip()]
+        if not values:
+            raise SweepError(f"--grid {item}: give at least one value after '=' (key=v1,v2,...)")
+        params.append(SweepParam(key, values=values))
+    return params
+
+
+def parse_ranges(items: list[str]) -> list[SweepParam]:
+    """`key=low:high` or `key=low:high:log` items (the CLI's --range) -> ranges sampled at random."""
+    params = []
+    for item in items:
+        key, raw = _split(item, "key=low:high[:log]")
+        parts = raw.split(":")
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "log"):
+            raise SweepError(f"--range {item}: expected key=low:high or key=low:high:log")
+        try:
+            low, high = float(parts[0]), float(parts[1])
+        except ValueError:
+            raise SweepError(f"--range {item}: low and high must be numbers, got '{parts[0]}' and '{parts[1]}'") \
+                from None
+        params.append(SweepParam(key, low=low, high=high, log=len(parts) == 3))
+    return params
+
+
+def _split(item: str, form: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise SweepError(f"'{item}' must look like {form}")
+    key, raw = item.split("=", 1)
+    return key.strip(), raw
+
+
+def spec_from_dict(raw: dict, source: str = "sweep") -> SweepSpec:
+    """A sweep YAML's contents -> SweepSpec: `grid: {key: [values]}` and/or `ranges: {key: {low, high, log}}`,
+    and the other fields of SweepSpec by name."""
+    if not isinstance(raw, dict):
+        raise SweepError(f"{source}: expected a mapping with grid: or ranges:, got {type(raw).__name__}")
+    raw = dict(raw)
+    grid = raw.pop("grid", None) or {}
+    params = [SweepParam(k, values=list(v) if isinstance(v, list) else [v]) for k, v in grid.items()]
+    for key, r in (raw.pop("ranges", None) or {}).items():
+        if not isinstance(r, dict) or not {"low", "high"} <= r.keys():
+            raise SweepError(f"{source}: ranges.{key} needs low: and high: (and log: true for a log scale)")
+        params.append(SweepParam(key, low=float(r["low"]), high=float(r["high"]), log=bool(r.get("log", False))))
+    known = {f for f in SweepSpec.__dataclass_fields__ if f != "params"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise SweepError(f"{source}: unknown field(s) {', '.join(unknown)}; allowed: grid, ranges, "
+                         f"{', '.join(sorted(known))}")
+    return SweepSpec(params=params, **raw)
+
+
+def check_spec(spec: SweepSpec, base_text: str, base_overrides: list[str] | None = None) -> None:
+    """Raise SweepError naming every problem: unknown keys, values the config refuses, a range that is empty
+    or not positive on a log scale, a grid and ranges mixed, a trial count missing, a bad direction."""
+    problems: list[str] = []
+    specs = field_specs()
+    if not spec.params:
+        problems.append("a sweep varies at least one key: give --grid key=v1,v2 or --range key=low:high")
+    if spec.direction not in DIRECTIONS:
+        problems.append(f"direction '{spec.direction}': use max or min")
+    if spec.early_stopping not in EARLY_STOPPING:
+        problems.append(f"early_stopping '{spec.early_stopping}': use one of {', '.join(EARLY_STOPPING)}")
+    if spec.parallel < 0:
+        problems.append(f"parallel {spec.parallel}: use 1 or more trials at once, or 0 for as many as fit")
+    if spec.steps is not None and spec.steps < 1:
+        problems.append(f"steps {spec.steps}: a trial trains at least 1 step")
+    if not spec.metric:
+        problems.append("metric: name the logged metric to rank trials by, e.g. critic/score/mean")
+    grid = [p for p in spec.params if p.values is not None]
+    ranges = [p for p in spec.params if p.values is None]
+    if grid and ranges:
+        problems.append("a sweep is a grid or random ranges, not both: give --grid or --range")
+    if ranges and not spec.trials:
+        problems.append("random ranges need a number of trials (--trials N)")
+    seen = set()
+    for p in spec.params:
+        if p.key in seen:
+            problems.append(f"{p.key} is varied twice")
+        seen.add(p.key)
+        if p.key not in specs:
+            close = [k for k in specs if k.rsplit(".", 1)[-1] == p.key.rsplit(".", 1)[-1]]
+            problems.append(f"{p.key} is not a config key" + (f"; did you mean {close[0]}?" if close else ""))
+            continue
+        if p.values is None:
+            if not (p.low is not None and p.high is not None and p.low < p.high):
+                problems.append(f"{p.key}: the range {p.low}:{p.high} is empty; low must be below high")
+            elif p.log and p.low <= 0:
+                problems.append(f"{p.key}: a log scale needs a positive low, got {p.low}")
+            if get_value_type(p.key) not in (int, float):
+                problems.append(f"{p.key} is not a number: vary it with --grid values instead of a range")
+    if problems:
+        raise SweepError("; ".join(problems))
+    for point in _corners(spec):
+        try:
+            trial_config(base_text, base_overrides or [], point, spec.steps)
+        except ConfigError as e:
+            values = ", ".join(f"{k}={v}" for k, v in point.items())
+            raise SweepError(f"the trial {values} is not a valid config: {'; '.join(e.problems)}") from None
+
+
+def get_value_type(key: str) -> Any:
+    return field_specs()[key][0]
+
+
+def _corners(spec: SweepSpec) -> list[dict[str, Any]]:
+    """The settings to check before anything starts: every grid point, or each range's two ends."""
+    if spec.is_grid:
+        return spec.grid()
+    return [{p.key: _typed(p.key, p.low) for p in spec.params}, {p.key: _typed(p.key, p.high) for p in spec.params}]
+
+
+def _as_field_type(key: str, value: Any) -> Any:
+    """A grid value as the key's type, so that trials show 1e-06, not the text '1e-6' YAML left it as."""
+    tp = get_value_type(key)
+    if tp in (int, float) and isinstance(value, str | int) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):
+            return tp(value)
+    return value
+
+
+def _typed(key: str, value: float) -> int | float:
+    return round(value) if get_value_type(key) is int else value
+
+
+def trial_config(base_text: str, base_overrides: list[str], values: dict[str, Any], steps: int | None) -> Config:
+    """The base config with a trial's values (and the sweep's steps) set: what the trial's run trains."""
+    overrides = [*base_overrides, *(f"{k}={_yaml_value(v)}" for k, v in values.items())]
+    if steps is not None:
+        overrides.append(f"trainer.total_training_steps={steps}")
+    cfg, problems = config_from_yaml_text(base_text, overrides, "the sweep's base config")
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _yaml_value(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, list | dict | str) else str(value)
+
+
+# ---- making a sweep ----
+
+def create_sweep(base: Config, spec: SweepSpec, *, name: str, runs_root: str | Path | None = None) -> Path:
+    """Check `spec` against `base` and write the sweep's folder; nothing runs until `run_sweep`."""
+    try:
+        check_name(name, "sweep name")
+    except PathError as e:
+        raise SweepError(str(e)) from None
+    base_text = to_yaml(base)
+    check_spec(spec, base_text)
+    for p in spec.params:
+        if p.values is not None:
+            p.values = [_as_field_type(p.key, v) for v in p.values]
+    folder = Path(os.path.abspath(Path(runs_root if runs_root is not None else base.trainer.runs_root)
+                                  / SWEEPS_DIR / name))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        raise SweepError(f"a sweep named {name} already exists in {folder.parent}: choose another name") from None
+    atomic_write_text(folder / "base.yaml", base_text)
+    atomic_write_text(folder / "sweep.yaml", yaml.safe_dump(asdict(spec), sort_keys=False))
+    _write_state(folder, state="created", parallel=spec.parallel)
+    study = _study(folder, spec, create=True)
+    for point in spec.grid() if spec.is_grid else []:
+        study.enqueue_trial(point)  # the grid in the order written, not the sampler's
+    return folder
+
+
+def read_spec(folder: str | Path) -> SweepSpec:
+    path = Path(folder) / "sweep.yaml"
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise SweepError(f"{path}: cannot read the sweep ({e})") from None
+    raw["params"] = [SweepParam(**p) for p in raw.get("params") or []]
+    return SweepSpec(**raw)
+
+
+def _study(folder: Path, spec: SweepSpec, *, create: bool = False) -> optuna.Study:
+    storage = JournalStorage(JournalFileBackend(str(folder / "study.journal")))
+    if spec.early_stopping == "median":
+        pruner: optuna.pruners.BasePruner = optuna.pruners.MedianPruner(
+            n_startup_trials=spec.startup_trials, n_warmup_steps=spec.min_steps)
+    elif spec.early_stopping == "halving":
+        pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=max(1, spec.min_steps))
+    else:
+        pruner = optuna.pruners.NopPruner()
+    sampler = optuna.samplers.RandomSampler(seed=spec.seed)
+    kwargs = dict(study_name=folder.name, storage=storage, sampler=sampler, pruner=pruner)
+    if create:
+        return optuna.create_study(direction=DIRECTIONS[spec.direction], **kwargs)
+    return optuna.load_study(**kwargs)
+
+
+# ---- the sweep's own status ----
+
+def _write_state(folder: Path, **fields: Any) -> None:
+    state = {**read_state(folder), **fields, "heartbeat": time.time()}
+    atomic_write_text(folder / "state.json", json.dumps(state, indent=1))
+
+
+def read_state(folder: str | Path) -> dict:
+    try:
+        return json.loads((Path(folder) / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def set_parallel(folder: str | Path, parallel: int) -> None:
+    """How many trials run at once from now on (0: as many as fit); a running sweep reads it each poll and
+    starts more, or lets running trials finish until fewer run."""
+    if parallel < 0:
+        raise SweepError(f"parallel {parallel}: use 1 or more, or 0 for as many as fit")
+    _write_state(Path(folder), parallel=parallel)
+
+
+def request_stop(folder: str | Path) -> None:
+    """Ask the sweep to stop: it stops its running trials and starts no more."""
+    _write_state(Path(folder), stop_requested=time.time())
+
+
+# ---- running ----
+
+def run_sweep(folder: str | Path, *, poll_s: float = 1.0, on_change: Callable[[dict], None] | None = None) -> str:
+    """Run the sweep in `folder` to its end in this process: start trials while fewer than `parallel` run and
+    the budget allows, report each running trial's metric to Optuna as its run logs it, stop the trials the
+    pruner gives up on, and record each trial's end. A failed trial never stops the sweep. Returns the
+    sweep's final state (finished or stopped). Run again after a restart, it picks up where it was: runs still
+    going are watched, runs killed with the machine are resumed from their last checkpoint."""
+    folder = Path(folder)
+    spec = read_spec(folder)
+    study = _study(folder, spec)
+    base_text = (folder / "base.yaml").read_text()
+    _write_state(folder, state="running", pid=os.getpid(), host=socket.gethostname(), started=time.time(),
+                 stop_requested=None)
+    while True:
+        state = read_state(folder)
+        trials = study.get_trials(deepcopy=False)
+        running = [t for t in trials if t.state == TrialState.RUNNING]
+        if state.get("stop_requested"):
+            for t in running:
+                _end_trial(study, t, "stopped", "the sweep was stopped")
+            _write_state(folder, state="stopped", finished=time.time())
+            return "stopped"
+        for t in running:
+            try:
+                _watch(study, spec, t)
+            except (OSError, ValueError) as e:  # its run folder deleted or unreadable: that trial ends, not the sweep
+                _end_trial(study, t, "failed", f"its run could not be read: {e}")
+        running = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
+        started = sum(t.state != TrialState.WAITING for t in study.get_trials(deepcopy=False))
+        limit = _at_once(state.get("parallel", spec.parallel))
+        while started < spec.total_trials() and len(running) < limit:
+            t = _start_trial(study, spec, folder, base_text)
+            started += 1
+            if t.state == TrialState.RUNNING:
+                running.append(t)
+        _write_state(folder, state="running")
+        if on_change is not None:
+            on_change(read_sweep(folder))
+        if started >= spec.total_trials() and not running:
+            _write_state(folder, state="finished", finished=time.time())
+            return "finished"
+        time.sleep(poll_s)
+
+
+def _at_once(parallel: int) -> int:
+    """Trials at once: the number asked, or for 0 one per two cores (a CPU run's trainer and worker each
+    keep a core busy)."""
+    return parallel if parallel > 0 else max(1, (os.cpu_count() or 2) // 2)
+
+
+def _start_trial(study: optuna.Study, spec: SweepSpec, folder: Path,
+                 base_text: str) -> optuna.trial.FrozenTrial:
+    trial = study.ask()
+    values = {p.key: _suggest(trial, p) for p in spec.params}
+    name = f"{folder.name}-{trial.number:03d}"
+    try:
+        cfg = trial_config(base_text, [], values, spec.steps)
+        run = launcher.launch(cfg, name=name, runs_root=folder.parent.parent,
+                              sweep={"name": folder.name, "trial": trial.number})
+    except (ConfigError, OSError) as e:
+        trial.set_user_attr("reason", f"could not start: {e}")
+        study.tell(trial, state=TrialState.FAIL)
+    else:
+        trial.set_user_attr("run", str(run))
+    return study.get_trials(deepcopy=False)[trial.number]
+
+
+def _suggest(trial: optuna.Trial, p: SweepParam) -> Any:
+    if p.values is not None:
+        return trial.suggest_categorical(p.key, p.values)
+    if get_value_type(p.key) is int:
+        return trial.suggest_int(p.key, round(p.low), round(p.high), log=p.log)
+    return trial.suggest_float(p.key, p.low, p.high, log=p.log)
+
+
+def _metric_steps(run: Path, metric: str) -> list[tuple[int, float]]:
+    """(step, value) of every logged step that has the metric, in order."""
+    try:
+        rows = read_metrics(run)
+    except OSError:
+        return []
+    out = []
+    for row in rows:
+        value = row.get(metric)
+        if isinstance(value, int | float) and math.isfinite(value) and "step" in row:
+            out.append((int(row["step"]), float(value)))
+    return out
+
+
+def _watch(study: optuna.Study, spec: SweepSpec, frozen: optuna.trial.FrozenTrial) -> None:
+    """Report a running trial's new metric values; stop it if the pruner says so; record its end."""
+    run = Path(frozen.user_attrs["run"])
+    trial = optuna.trial.Trial(study, frozen._trial_id)
+    info = launcher.read_run(run)
+    status = info["status"]
+    for step, value in _metric_steps(run, spec.metric):
+        if step in frozen.intermediate_values:
+            continue
+        trial.report(value, step)
+        if spec.early_stopping != "off" and status.get("state") in launcher.ACTIVE and trial.should_prune():
+            launcher.stop(run)
+            trial.set_user_attr("reason", _pruned_reason(spec, step, value))
+            study.tell(trial, state=TrialState.PRUNED)
+            return
+    state = status.get("state")
+    if state == "succeeded":
+        values = _metric_steps(run, spec.metric)
+        if values:
+            study.tell(trial, values[-1][1])
+        else:
+            trial.set_user_attr("reason", f"the run logged no {spec.metric}")
+            study.tell(trial, state=TrialState.FAIL)
+    elif state == "failed" and status.get("error") == launcher.GONE_ERROR and not frozen.user_attrs.get("resumed"):
+        # Killed with the machine or by hand: it continues from its last checkpoint, once.
+        try:
+            launcher.resume(run)
+            trial.set_user_attr("resumed", True)
+        except ConfigError as e:
+            _end_trial(study, frozen, "failed", f"could not resume: {e}")
+    elif state == "failed":
+        _end_trial(study, frozen, "failed", status.get("error") or "the run failed")
+    elif state == "stopped":
+        _end_trial(study, frozen, "stopped", "stopped by hand")
+
+
+def _pruned_reason(spec: SweepSpec, step: int, value: float) -> str:
+    how = ("worse than the median of the finished trials at that step" if spec.early_stopping == "median"
+           else "not among the best of its rung (successive halving)")
+    return f"stopped early at step {step}: {spec.metric} {value:.4g} is {how}"
+
+
+def _end_trial(study: optuna.Study, frozen: optuna.trial.FrozenTrial, how: str, reason: str) -> None:
+    """Stop the trial's run if it still runs and record why it ended; a trial that logged the metric counts
+    as pruned (its values stay comparable), one that did not as failed."""
+    run = frozen.user_attrs.get("run")
+    if run and how == "stopped":
+        with contextlib.suppress(ValueError, OSError):
+            launcher.stop(run)
+    trial = optuna.trial.Trial(study, frozen._trial_id)
+    trial.set_user_attr("reason", reason)
+    study.tell(trial, state=TrialState.PRUNED if how == "stopped" and frozen.intermediate_values
+               else TrialState.FAIL)
+
+
+# ---- reading a sweep back ----
+
+@dataclass
+class TrialRow:
+    number: int
+    values: dict[str, Any]
+    state: str
+    run: str | None
+    step: int | None
+    value: float | None
+    reason: str | None = None
+    curve: list[tuple[int, float]] = field(default_factory=list)
+
+
+def read_sweep(folder: str | Path) -> dict:
+    """Everything a sweep's page shows: {"name", "path", "spec", "state" (the sweep process's status, failed
+    if its process is gone), "trials" (TrialRow, in order), "best" (the best finished trial's row or None)}."""
+    folder = Path(folder)
+    spec = read_spec(folder)
+    study = _study(folder, spec)
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        run = t.user_attrs.get("run")
+        curve = sorted(t.intermediate_values.items())
+        # A queued grid point has no params yet: Optuna keeps the values it will take as "fixed_params".
+        values = dict(t.params) or dict(t.system_attrs.get("fixed_params") or {})
+        rows.append(TrialRow(number=t.number, values=values, state=t.state.name.lower(), run=run,
+                             step=curve[-1][0] if curve else None,
+                             value=t.value if t.state == TrialState.COMPLETE else (curve[-1][1] if curve else None),
+                             reason=t.user_attrs.get("reason"), curve=curve))
+    done = [r for r in rows if r.state == "complete" and r.value is not None]
+    pick = max if spec.direction == "max" else min
+    best = pick(done, key=lambda r: r.value) if done else None
+    state = read_state(folder)
+    if state.get("state") == "running" and state.get("host") == socket.gethostname() and not _alive(state.get("pid")):
+        state = {**state, "state": "interrupted"}
+    return {"name": folder.name, "path": folder, "spec": spec, "state": state, "trials": rows, "best": best}
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def list_sweeps(runs_root: str | Path) -> list[Path]:
+    """The sweep folders under `runs_root`, newest first."""
+    root = Path(runs_root) / SWEEPS_DIR
+    try:
+        found = [p for p in root.iterdir() if (p / "sweep.yaml").is_file()]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def best_config(folder: str | Path) -> Config | None:
+    """The base config with the best finished trial's values: what "promote" puts on the Config page."""
+    sweep = read_sweep(folder)
+    best = sweep["best"]
+    if best is None:
+        return None
+    return trial_config((Path(folder) / "base.yaml").read_text(), [], best.values, sweep["spec"].steps)
+

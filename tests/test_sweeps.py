@@ -1,0 +1,168 @@
+"""Sweeps: what a user asks is checked before anything runs, the grid runs in the order written, and a real
+sweep of tiny-model runs ends with one trial finished, one stopped early by Optuna's pruner and the trials of a
+broken model failed, after its own process was killed and resumed midway."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backend.core.config import load_config
+from backend.core.models import resolve_model
+from backend.services import launcher, sweeps
+
+from .conftest import REPO, tiny_overrides, wait_for
+
+LR = "actor_rollout_ref.actor.optim.lr"
+N = "actor_rollout_ref.rollout.n"
+Axis = sweeps.SweepParam
+MODEL = "actor_rollout_ref.model.path"
+
+
+@pytest.fixture
+def base(sample_sets):
+    return load_config(None, tiny_overrides(sample_sets))
+
+
+def spec(*params: sweeps.SweepParam, **fields) -> sweeps.SweepSpec:
+    return sweeps.SweepSpec(params=list(params), **fields)
+
+
+def test_grid_and_range_flags_parse_into_axes_and_ranges():
+    grid = sweeps.parse_grid([f"{LR}=1e-6,3e-6", "actor_rollout_ref.rollout.n=4,8"])
+    assert [(p.key, p.values) for p in grid] == [(LR, ["1e-6", "3e-6"]), (N, [4, 8])]
+    (r,) = sweeps.parse_ranges([f"{LR}=1e-7:1e-4:log"])
+    assert (r.key, r.low, r.high, r.log) == (LR, 1e-7, 1e-4, True)
+    for bad in (f"{LR}", f"{LR}=1:2:cube", f"{LR}=a:b"):
+        with pytest.raises(sweeps.SweepError, match=LR.split(".")[0] if "=" not in bad else "range"):
+            sweeps.parse_ranges([bad])
+    with pytest.raises(sweeps.SweepError, match="at least one value"):
+        sweeps.parse_grid([f"{LR}="])
+
+
+def test_a_sweep_yaml_names_its_unknown_fields_and_malformed_ranges():
+    s = sweeps.spec_from_dict({"grid": {LR: [1e-6, 1e-5]}, "metric": "val/accuracy", "steps": 5})
+    assert (s.params[0].values, s.metric, s.steps) == ([1e-6, 1e-5], "val/accuracy", 5)
+    with pytest.raises(sweeps.SweepError, match="unknown field.*budget"):
+        sweeps.spec_from_dict({"grid": {LR: [1e-6]}, "budget": 3})
+    with pytest.raises(sweeps.SweepError, match=f"ranges.{LR} needs low: and high:"):
+        sweeps.spec_from_dict({"ranges": {LR: {"low": 1e-6}}})
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    (spec(Axis("actor.optim.lr", values=[1e-6])), f"actor.optim.lr is not a config key; did you mean {LR}"),
+    (spec(Axis(N, values=[4, 0])),
+     r"the trial actor_rollout_ref.rollout.n=0 is not a valid config: .*actor_rollout_ref.rollout.n"),
+    (spec(Axis(LR, low=0.0, high=1e-4, log=True), trials=4), "a log scale needs a positive low"),
+    (spec(Axis(LR, low=1e-4, high=1e-6), trials=4), "the range .* is empty"),
+    (spec(Axis(LR, low=1e-6, high=1e-4)), r"need a number of trials \(--trials N\)"),
+    (spec(Axis(LR, values=[1e-6]), Axis(N, low=2, high=8), trials=2),
+     "a grid or random ranges, not both"),
+    (spec(Axis("trainer.logger", low=1, high=2), trials=2), "trainer.logger is not a number"),
+    (spec(Axis(LR, values=[1e-6]), direction="up"), "direction 'up': use max or min"),
+    (spec(), "varies at least one key"),
+])
+def test_a_bad_sweep_is_refused_with_the_key_and_value_and_writes_nothing(base, tmp_path, bad, message):
+    with pytest.raises(sweeps.SweepError, match=message):
+        sweeps.create_sweep(base, bad, name="bad", runs_root=tmp_path)
+    assert not (tmp_path / "sweeps" / "bad").exists()
+
+
+def test_the_grid_is_queued_in_the_order_written_with_values_of_the_keys_type(base, tmp_path):
+    folder = sweeps.create_sweep(base, spec(Axis(LR, values=["1e-6", "1e-5"]),
+                                            Axis(N, values=[2, 4])),
+                                 name="grid", runs_root=tmp_path)
+    sweep = sweeps.read_sweep(folder)
+    assert [(t.state, t.values) for t in sweep["trials"]] == [("waiting", {LR: v, N: n})
+                                                             for v in (1e-6, 1e-5) for n in (2, 4)]
+    assert sweeps.list_sweeps(tmp_path) == [folder]
+    assert launcher.list_runs(tmp_path) == []  # the sweep's own folder is not a run
+    with pytest.raises(sweeps.SweepError, match="a sweep named grid already exists"):
+        sweeps.create_sweep(base, spec(Axis(LR, values=[1e-6])), name="grid", runs_root=tmp_path)
+
+
+def test_random_ranges_draw_within_bounds_on_a_log_scale_and_whole_numbers_for_int_keys(base, tmp_path):
+    s = spec(Axis(LR, low=1e-7, high=1e-3, log=True), Axis(N, low=2, high=8),
+             trials=40)
+    folder = sweeps.create_sweep(base, s, name="random", runs_root=tmp_path)
+    study = sweeps._study(folder, s)
+    draws = []
+    for _ in range(40):
+        trial = study.ask()
+        draws.append({p.key: sweeps._suggest(trial, p) for p in s.params})
+    lrs = [d[LR] for d in draws]
+    assert all(1e-7 <= v <= 1e-3 for v in lrs)
+    assert sum(v < 1e-5 for v in lrs) >= 10  # half the log range lies below 1e-5; uniformly, 1% would
+    assert all(isinstance(d[N], int) and 2 <= d[N] <= 8
+               for d in draws)
+
+
+# A deterministic reward, slow enough (0.2 s a response, a step about 1.6 s) that the sweep sees each step.
+PACED_REWARD = """
+import time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(0.2)
+    return 0.0
+"""
+
+
+@pytest.mark.slow
+def test_a_sweep_finishes_one_trial_stops_one_early_fails_a_broken_one_and_survives_its_process_killed(
+        sample_sets, tmp_path):
+    broken = tmp_path / "broken-model"
+    shutil.copytree(resolve_model("tiny-qwen3"), broken)
+    for weights in glob.glob(str(broken / "*.safetensors")):
+        Path(weights).write_bytes(b"not weights")
+    reward = tmp_path / "paced_reward.py"
+    reward.write_text(PACED_REWARD)
+    runs = tmp_path / "runs"
+    overrides = tiny_overrides(sample_sets, **{"custom_reward_function.path": reward, "data.val_files": "[]"})
+    # The lr each trial logs (actor/lr) is the metric: trial 1 (lr 1e-6) trails trial 0 (lr 1e-3) at every step,
+    # so the median pruner stops it once trial 0 has finished.
+    cmd = [sys.executable, "-m", "backend", "sweep", "defaults", *overrides, "--grid",
+           f"{MODEL}=tiny-qwen3,{broken}", f"{LR}=1e-3,1e-6", "--metric", "actor/lr", "--steps", "4",
+           "--early-stopping", "median", "--startup-trials", "1", "--runs-root", str(runs), "--name", "lr", "--quiet"]
+    first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    folder = runs / "sweeps" / "lr"
+
+    def trial_running() -> bool:
+        return folder.exists() and any(t.state == "running" and t.run for t in sweeps.read_sweep(folder)["trials"])
+
+    wait_for(trial_running, timeout=120)
+    first.send_signal(signal.SIGKILL)  # the workbench or its machine going away: the trial's run goes on
+    first.wait()
+    assert sweeps.read_sweep(folder)["state"]["state"] == "interrupted"
+    resumed = subprocess.run([sys.executable, "-m", "backend", "sweep", "--resume", str(folder), "--quiet"],
+                             cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+
+    sweep = sweeps.read_sweep(folder)
+    trials = sweep["trials"]
+    assert sweep["state"]["state"] == "finished"
+    assert [t.state for t in trials] == ["complete", "pruned", "fail", "fail"]
+    assert trials[0].value == pytest.approx(1e-3) and sweep["best"].number == 0
+    assert trials[1].reason.startswith("stopped early at step ") and "actor/lr 1e-06" in trials[1].reason
+    assert launcher.read_run(trials[1].run)["status"]["state"] == "stopped"
+    assert trials[1].step < 4
+    for t in trials[2:]:
+        assert "SafetensorError" in t.reason, t.reason
+    # Every trial is an ordinary run, once: the killed sweep's running trial was watched, not started again.
+    listed = launcher.list_runs(runs)
+    assert sorted(s.path for s in listed) == sorted(Path(t.run) for t in trials)
+    for t in trials:
+        status = json.loads((Path(t.run) / "status.json").read_text())
+        assert status["sweep"] == {"name": "lr", "trial": t.number}
+    assert "best: #0 actor/lr=0.001" in resumed.stdout
+    best = sweeps.best_config(folder)
+    assert (best.actor_rollout_ref.actor.optim.lr, best.actor_rollout_ref.model.path) == (1e-3, "tiny-qwen3")
+    assert best.trainer.total_training_steps == 4
+    assert os.path.getsize(folder / "study.journal") > 0
