@@ -14,6 +14,7 @@ navigation = st.navigation([
     runs,
     rollouts,
     st.Page("../pages/compare.py", title="Compare", icon=":material/compare:"),
+    st.Page("../pages/sweeps.py", title="Sweeps", icon=":material/grid_view:"),
 ])
 # The widget each page selects a run with: the run selected there is the one the user opened last.
 selection = {runs.url_path: "runs_selected", rollouts.url_path: "rollouts_run"}

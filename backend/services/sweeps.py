@@ -22,6 +22,8 @@ import json
 import math
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -332,6 +334,24 @@ def request_stop(folder: str | Path) -> None:
 
 # ---- running ----
 
+# Sweep processes this process started: a finished child stays a zombie, which os.kill(pid, 0) calls alive,
+# until it is polled.
+_processes: dict[int, subprocess.Popen] = {}
+
+
+def start_sweep(folder: str | Path) -> int:
+    """Run the sweep in a background process of its own session (`python -m backend sweep --resume`), as the
+    launcher runs a trainer: closing the browser or restarting the workbench leaves it going. Its output goes
+    to `<folder>/sweep.log`; returns its pid."""
+    folder = Path(folder)
+    cmd = [sys.executable, "-m", "backend", "sweep", "--resume", str(folder), "--quiet"]
+    with open(folder / "sweep.log", "ab") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                cwd=os.getcwd(), start_new_session=True, close_fds=True)
+    _processes[proc.pid] = proc
+    _write_state(folder, state="starting", pid=proc.pid, host=socket.gethostname())
+    return proc.pid
+
 def run_sweep(folder: str | Path, *, poll_s: float = 1.0, on_change: Callable[[dict], None] | None = None) -> str:
     """Run the sweep in `folder` to its end in this process: start trials while fewer than `parallel` run and
     the budget allows, report each running trial's metric to Optuna as its run logs it, stop the trials the
@@ -509,7 +529,8 @@ def read_sweep(folder: str | Path) -> dict:
     pick = max if spec.direction == "max" else min
     best = pick(done, key=lambda r: r.value) if done else None
     state = read_state(folder)
-    if state.get("state") == "running" and state.get("host") == socket.gethostname() and not _alive(state.get("pid")):
+    here = state.get("host") == socket.gethostname()
+    if state.get("state") in ("starting", "running") and here and not _alive(state.get("pid")):
         state = {**state, "state": "interrupted"}
     return {"name": folder.name, "path": folder, "spec": spec, "state": state, "trials": rows, "best": best}
 
@@ -517,6 +538,8 @@ def read_sweep(folder: str | Path) -> dict:
 def _alive(pid: int | None) -> bool:
     if not pid:
         return False
+    if pid in _processes:
+        return _processes[pid].poll() is None
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

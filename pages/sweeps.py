@@ -1,0 +1,197 @@
+"""Sweeps page: start a sweep of the config being edited over a grid or random ranges of keys, watch its
+trials (table, overlaid curves, settings against result), stop a trial or the sweep, change how many trials
+run at once, and put the best trial's config on the Config page. Everything here calls
+backend.services.sweeps and reads the sweep's folder; the trials are ordinary runs.
+
+Runs on its own too under AppTest.from_file("pages/sweeps.py").
+"""
+
+from __future__ import annotations
+
+import math
+
+import plotly.graph_objects as go
+import streamlit as st
+from page_support import guarded, is_entry_point, one_line
+
+from backend.core import workspace
+from backend.core.config import config_from_yaml_text, to_yaml
+from backend.services import launcher, presets, sweeps
+
+if is_entry_point(__file__):
+    st.set_page_config(page_title="Sweeps", layout="wide")
+
+SELECTED = "sweeps_selected"
+REFRESH_S = 2.0
+
+
+def current_config_text() -> str:
+    return st.session_state.get(presets.SESSION_KEY) or presets.preset_yaml_text(presets.DEFAULT_PRESET)
+
+
+def _new_sweep(root) -> None:
+    """The form that makes a sweep of the current config and starts it in the background."""
+    cfg, problems = config_from_yaml_text(current_config_text())
+    if problems:
+        st.error("The current config cannot start:\n\n" + "\n".join(f"- {p}" for p in problems))
+    keys = st.text_area("Keys to vary, one a line", key="sweep_keys", height=100,
+                        placeholder="actor_rollout_ref.actor.optim.lr=1e-6,3e-6,1e-5\nactor_rollout_ref.rollout.n=4,8",
+                        help="key=v1,v2,... for a grid (every combination), or key=low:high (key=low:high:log "
+                             "for a log scale) for random draws, with a number of random trials below.")
+    c1, c2, c3, c4 = st.columns(4)
+    metric = c1.text_input("Rank by metric", value=launcher.SCORE_KEY, key="sweep_metric")
+    direction = c2.radio("Best is", ["max", "min"], horizontal=True, key="sweep_direction")
+    steps = c3.number_input("Steps a trial (0: the config's)", min_value=0, value=0, key="sweep_steps")
+    trials = c4.number_input("Random trials (ranges only)", min_value=0, value=0, key="sweep_trials")
+    c1, c2, c3 = st.columns(3)
+    parallel = c1.number_input("Trials at once (0: one per two cores)", min_value=0, value=1, key="sweep_parallel")
+    early = c2.selectbox("Early stopping", sweeps.EARLY_STOPPING, key="sweep_early",
+                         help="median: stop a trial whose metric is worse than the median of the finished trials "
+                              "at the same step; halving: successive halving. Optuna's pruners.")
+    name = c3.text_input("Sweep name", key="sweep_name", placeholder="lr-n")
+    if st.button("Start sweep", key="sweep_start", type="primary", disabled=cfg is None):
+        lines = [line.strip() for line in keys.splitlines() if line.strip()]
+        try:
+            grid = [line for line in lines if ":" not in line.split("=", 1)[-1]]
+            params = sweeps.parse_grid(grid) + sweeps.parse_ranges([line for line in lines if line not in grid])
+            spec = sweeps.SweepSpec(params=params, metric=metric.strip(), direction=direction,
+                                    trials=int(trials) or None, steps=int(steps) or None, parallel=int(parallel),
+                                    early_stopping=early)
+            folder = sweeps.create_sweep(cfg, spec, name=name.strip() or _default_name(), runs_root=root)
+        except sweeps.SweepError as e:
+            st.error(str(e))
+            return
+        sweeps.start_sweep(folder)
+        st.session_state[SELECTED] = folder.name
+        st.success(f"Started {folder.name}: {spec.total_trials()} trials")
+
+
+def _default_name() -> str:
+    import time
+
+    return time.strftime("sweep-%Y%m%d-%H%M%S")
+
+
+def _short(key: str) -> str:
+    return key.rsplit(".", 1)[-1]
+
+
+def _trials_table(sweep: dict) -> None:
+    spec = sweep["spec"]
+    better = max if spec.direction == "max" else min
+    best_so_far = None
+    rows = []
+    for t in sweep["trials"]:
+        if t.state == "complete" and t.value is not None:
+            best_so_far = t.value if best_so_far is None else better(best_so_far, t.value)
+        rows.append({"trial": t.number, "state": t.state,
+                     **{_short(k): v for k, v in t.values.items()},
+                     "step": t.step, spec.metric: t.value, "best so far": best_so_far,
+                     "why it stopped": one_line(t.reason or "", 120),
+                     "run": t.run.rsplit("/", 1)[-1] if t.run else ""})
+    st.dataframe(rows, hide_index=True, key="sweep_trials_table")
+
+
+def _curves(sweep: dict) -> None:
+    fig = go.Figure()
+    for t in sweep["trials"]:
+        if t.curve:
+            label = f"#{t.number} " + " ".join(f"{_short(k)}={v:g}" if isinstance(v, float) else f"{_short(k)}={v}"
+                                              for k, v in t.values.items())
+            fig.add_trace(go.Scatter(x=[s for s, _ in t.curve], y=[v for _, v in t.curve], mode="lines+markers",
+                                     name=label))
+    if not fig.data:
+        st.info("No trial has logged the metric yet.")
+        return
+    fig.update_layout(title=sweep["spec"].metric, height=320, xaxis_title="step",
+                      margin={"l": 10, "r": 10, "t": 40, "b": 10})
+    st.plotly_chart(fig, key="sweep_curves")
+
+
+def _settings_against_result(sweep: dict) -> None:
+    """Parallel coordinates: one axis per varied key (log10 for a log range), the metric last."""
+    done = [t for t in sweep["trials"] if t.value is not None]
+    if len(done) < 2:
+        return
+    dims = []
+    for p in sweep["spec"].params:
+        values = [t.values.get(p.key) for t in done]
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            logs = p.log or (all(v > 0 for v in values) and max(values) / min(values) >= 100)
+            dims.append({"label": ("log10 " if logs else "") + _short(p.key),
+                         "values": [math.log10(v) if logs else v for v in values]})
+        else:
+            names = sorted({str(v) for v in values})
+            dims.append({"label": _short(p.key), "values": [names.index(str(v)) for v in values],
+                         "tickvals": list(range(len(names))), "ticktext": names})
+    metric = [t.value for t in done]
+    dims.append({"label": sweep["spec"].metric, "values": metric})
+    fig = go.Figure(go.Parcoords(line={"color": metric, "colorscale": "Viridis", "showscale": True},
+                                 dimensions=dims))
+    fig.update_layout(height=320, margin={"l": 60, "r": 60, "t": 40, "b": 10})
+    st.plotly_chart(fig, key="sweep_parcoords")
+
+
+def _controls(sweep: dict) -> None:
+    folder = sweep["path"]
+    state = sweep["state"]
+    active = state.get("state") in ("starting", "running")
+    c1, c2, c3 = st.columns(3)
+    at_once = c1.number_input("Trials at once", min_value=0, value=int(state.get("parallel", 1)),
+                              key=f"sweep_at_once_{sweep['name']}")
+    if c1.button("Apply", key="sweep_apply_parallel", disabled=not active):
+        sweeps.set_parallel(folder, int(at_once))
+        st.success(f"{int(at_once) or 'one per two cores'} at once from the next check on")
+    if c2.button("Stop the sweep", key="sweep_stop", disabled=not active):
+        sweeps.request_stop(folder)
+        st.success("Stopping: its running trials stop and no more start")
+    if c3.button("Put the best trial's config on the Config page", key="sweep_promote",
+                 disabled=sweep["best"] is None):
+        st.session_state[presets.SESSION_KEY] = to_yaml(sweeps.best_config(folder))
+        st.success(f"The Config page now holds trial #{sweep['best'].number}'s config")
+    if state.get("state") == "interrupted" and st.button("Resume the sweep", key="sweep_resume"):
+        sweeps.start_sweep(folder)
+        st.rerun()
+    running = [t for t in sweep["trials"] if t.state == "running" and t.run]
+    if running:
+        c1, c2 = st.columns([3, 1])
+        pick = c1.selectbox("Running trial", [t.number for t in running], key="sweep_trial_to_stop",
+                            format_func=lambda n: f"#{n}")
+        if c2.button("Stop this trial", key="sweep_stop_trial"):
+            run = next(t.run for t in running if t.number == pick)
+            launcher.stop(run, wait=False)
+            st.success(f"Stopping trial #{pick}; the sweep records it as stopped by hand")
+
+
+@st.fragment(run_every=REFRESH_S)
+def _live(folder) -> None:
+    sweep = sweeps.read_sweep(folder)
+    spec = sweep["spec"]
+    done = sum(t.state not in ("running", "waiting") for t in sweep["trials"])
+    best = sweep["best"]
+    st.markdown(f"**{sweep['name']}**: {sweep['state'].get('state', 'unknown')}, {done} of {spec.total_trials()} "
+                f"trials ended, ranked by `{spec.metric}` ({spec.direction})"
+                + (f"; best so far #{best.number}: {best.value:.4g}" if best else ""))
+    guarded(_trials_table, sweep)
+    guarded(_controls, sweep)
+    c1, c2 = st.columns(2)
+    with c1:
+        guarded(_curves, sweep)
+    with c2:
+        guarded(_settings_against_result, sweep)
+
+
+st.title("Sweeps")
+root = workspace.runs_root()
+with st.expander("New sweep of the current config", expanded=not sweeps.list_sweeps(root)):
+    guarded(_new_sweep, root)
+
+found = sweeps.list_sweeps(root)
+if not found:
+    st.info("No sweeps yet: start one above, or run `python -m backend sweep CONFIG --grid key=v1,v2`.")
+else:
+    names = [f.name for f in found]
+    if st.session_state.get(SELECTED) not in names:
+        st.session_state[SELECTED] = names[0]
+    chosen = st.selectbox("Sweep", names, key=SELECTED)
+    _live(found[names.index(chosen)])

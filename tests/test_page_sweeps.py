@@ -1,0 +1,71 @@
+"""The Sweeps page's logic, through Streamlit's AppTest: it refuses a bad sweep with the key named, shows a
+sweep's trials, and puts the best trial's config on the Config page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from streamlit.testing.v1 import AppTest
+
+from backend.core.config import load_config, to_yaml
+from backend.services import presets, sweeps
+
+from .conftest import REPO, tiny_overrides
+
+PAGE = str(REPO / "pages/sweeps.py")
+LR = "actor_rollout_ref.actor.optim.lr"
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("GRPO_WB_HOME", str(tmp_path))
+    return tmp_path
+
+
+def page(home: Path, config_text: str | None = None) -> AppTest:
+    at = AppTest.from_file(PAGE, default_timeout=60)
+    if config_text is not None:
+        at.session_state[presets.SESSION_KEY] = config_text
+    return at
+
+
+def test_with_no_sweeps_the_page_says_so_and_offers_the_form(home):
+    at = page(home).run()
+    assert not at.exception
+    assert any("No sweeps yet" in i.value for i in at.info)
+    assert at.button(key="sweep_start")
+
+
+def test_a_sweep_over_an_unknown_key_is_refused_naming_it_and_nothing_starts(home, sample_sets):
+    at = page(home, to_yaml(load_config(None, tiny_overrides(sample_sets)))).run()
+    at.text_area(key="sweep_keys").set_value("actor.optim.lr=1e-6,1e-5")
+    at.button(key="sweep_start").click().run()
+    assert not at.exception
+    assert any(f"actor.optim.lr is not a config key; did you mean {LR}" in e.value for e in at.error)
+    assert sweeps.list_sweeps(home / "runs") == []
+
+
+def test_a_sweeps_trials_are_listed_and_the_best_goes_to_the_config_page(home, sample_sets):
+    base = load_config(None, tiny_overrides(sample_sets))
+    spec = sweeps.SweepSpec(params=[sweeps.SweepParam(LR, values=[1e-3, 1e-6])], metric="actor/lr", steps=3)
+    folder = sweeps.create_sweep(base, spec, name="lr", runs_root=home / "runs")
+    # The two trials as the sweep records them, through Optuna, without training: the page reads the journal.
+    study = sweeps._study(folder, spec)
+    for _ in range(2):
+        trial = study.ask()
+        lr = trial.suggest_categorical(LR, [1e-3, 1e-6])
+        for step in (1, 2, 3):
+            trial.report(lr, step)
+        study.tell(trial, lr)
+    at = page(home).run()
+    assert not at.exception
+    table = at.dataframe[0].value
+    assert list(table["trial"]) == [0, 1] and list(table["state"]) == ["complete", "complete"]
+    assert list(table["best so far"]) == [1e-3, 1e-3]
+    assert any("best so far #0" in m.value for m in at.markdown)
+    at.button(key="sweep_promote").click().run()
+    promoted = yaml.safe_load(at.session_state[presets.SESSION_KEY])
+    assert promoted["actor_rollout_ref"]["actor"]["optim"]["lr"] == 1e-3
+    assert promoted["trainer"]["total_training_steps"] == 3
