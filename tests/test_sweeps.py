@@ -105,6 +105,18 @@ def test_random_ranges_draw_within_bounds_on_a_log_scale_and_whole_numbers_for_i
                for d in draws)
 
 
+def test_a_trial_asked_for_but_never_launched_runs_again_and_a_trial_that_cannot_start_fails_alone(sample_sets,
+                                                                                                   tmp_path):
+    base = load_config(None, tiny_overrides(sample_sets, **{"data.train_files": f"[{tmp_path / 'gone.parquet'}]"}))
+    s = spec(Axis(LR, values=[1e-3]))
+    folder = sweeps.create_sweep(base, s, name="requeue", runs_root=tmp_path)
+    sweeps._study(folder, s).ask()  # the sweep's process killed between choosing a trial and launching its run
+    assert sweeps.run_sweep(folder, poll_s=0.01) == "finished"
+    (trial,) = sweeps.read_sweep(folder)["trials"]
+    assert (trial.values, trial.state, trial.run) == ({LR: 1e-3}, "fail", None)
+    assert trial.reason.startswith("could not start: ") and "gone.parquet" in trial.reason
+
+
 # A deterministic reward, slow enough (0.2 s a response, a step about 1.6 s) that the sweep sees each step.
 PACED_REWARD = """
 import time

@@ -352,6 +352,7 @@ def start_sweep(folder: str | Path) -> int:
     _write_state(folder, state="starting", pid=proc.pid, host=socket.gethostname())
     return proc.pid
 
+
 def run_sweep(folder: str | Path, *, poll_s: float = 1.0, on_change: Callable[[dict], None] | None = None) -> str:
     """Run the sweep in `folder` to its end in this process: start trials while fewer than `parallel` run and
     the budget allows, report each running trial's metric to Optuna as its run logs it, stop the trials the
@@ -374,12 +375,20 @@ def run_sweep(folder: str | Path, *, poll_s: float = 1.0, on_change: Callable[[d
             _write_state(folder, state="stopped", finished=time.time())
             return "stopped"
         for t in running:
+            if "run" not in t.user_attrs:
+                # Asked for, but the sweep's process ended before it launched the run: the settings go back
+                # in the queue (a grid point must still run) and this trial is closed and no longer shown.
+                optuna.trial.Trial(study, t._trial_id).set_user_attr("requeued", True)
+                _end_trial(study, t, "failed", "the sweep's process ended before this trial's run started")
+                study.enqueue_trial(dict(t.params))
+                continue
             try:
                 _watch(study, spec, t)
             except (OSError, ValueError) as e:  # its run folder deleted or unreadable: that trial ends, not the sweep
                 _end_trial(study, t, "failed", f"its run could not be read: {e}")
         running = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
-        started = sum(t.state != TrialState.WAITING for t in study.get_trials(deepcopy=False))
+        started = sum(t.state != TrialState.WAITING and not t.user_attrs.get("requeued")
+                      for t in study.get_trials(deepcopy=False))
         limit = _at_once(state.get("parallel", spec.parallel))
         while started < spec.total_trials() and len(running) < limit:
             t = _start_trial(study, spec, folder, base_text)
@@ -517,6 +526,8 @@ def read_sweep(folder: str | Path) -> dict:
     study = _study(folder, spec)
     rows = []
     for t in study.get_trials(deepcopy=False):
+        if t.user_attrs.get("requeued"):
+            continue
         run = t.user_attrs.get("run")
         curve = sorted(t.intermediate_values.items())
         # A queued grid point has no params yet: Optuna keeps the values it will take as "fixed_params".
