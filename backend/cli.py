@@ -521,7 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--metric", default="critic/score/mean", help="the logged metric trials are ranked by")
     sw.add_argument("--direction", choices=("max", "min"), default="max")
     sw.add_argument("--steps", type=int, default=None, help="training steps a trial (default: the config's)")
-    sw.add_argument("--parallel", type=int, default=1, help="trials at once; 0: one per two CPU cores")
+    sw.add_argument("--parallel", type=int, default=1,
+                    help="trials at once; 0: as many as fit (GPUs: by the planner, CPU: one per two cores)")
     sw.add_argument("--early-stopping", choices=("off", "median", "halving"), default="off",
                     help="stop trials whose metric trails the finished ones' (median) or their rung's (halving)")
     sw.add_argument("--startup-trials", type=int, default=2, help="finished trials before any is stopped early")

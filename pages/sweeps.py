@@ -44,7 +44,7 @@ def _new_sweep(root) -> None:
     steps = c3.number_input("Steps a trial (0: the config's)", min_value=0, value=0, key="sweep_steps")
     trials = c4.number_input("Random trials (ranges only)", min_value=0, value=0, key="sweep_trials")
     c1, c2, c3 = st.columns(3)
-    parallel = c1.number_input("Trials at once (0: one per two cores)", min_value=0, value=1, key="sweep_parallel")
+    parallel = c1.number_input("Trials at once (0: as many as fit)", min_value=0, value=1, key="sweep_parallel")
     early = c2.selectbox("Early stopping", sweeps.EARLY_STOPPING, key="sweep_early",
                          help="median: stop a trial whose metric is worse than the median of the finished trials "
                               "at the same step; halving: successive halving. Optuna's pruners.")
@@ -141,7 +141,7 @@ def _controls(sweep: dict) -> None:
                               key=f"sweep_at_once_{sweep['name']}")
     if c1.button("Apply", key="sweep_apply_parallel", disabled=not active):
         sweeps.set_parallel(folder, int(at_once))
-        st.success(f"{int(at_once) or 'one per two cores'} at once from the next check on")
+        st.success(f"{int(at_once) or 'as many as fit'} at once from the next check on")
     if c2.button("Stop the sweep", key="sweep_stop", disabled=not active):
         sweeps.request_stop(folder)
         st.success("Stopping: its running trials stop and no more start")

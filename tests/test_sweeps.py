@@ -117,6 +117,47 @@ def test_a_trial_asked_for_but_never_launched_runs_again_and_a_trial_that_cannot
     assert trial.reason.startswith("could not start: ") and "gone.parquet" in trial.reason
 
 
+def test_placement_puts_a_trial_on_the_gpu_with_most_room_within_the_margin_and_a_huge_one_alone():
+    h200 = [141.0, 141.0]  # 119.85 GiB each usable with the 15% margin
+    assert sweeps.place(20.0, [0.0, 0.0], h200) == 0
+    assert sweeps.place(20.0, [40.0, 20.0], h200) == 1
+    assert sweeps.place(20.0, [100.0, 99.0], h200) == 1  # 119 <= 119.85
+    assert sweeps.place(20.0, [100.0, 100.0], h200) is None  # 120 > 119.85: it waits
+    assert sweeps.place(130.0, [10.0, 0.0], h200) == 1  # larger than the margin allows: alone on an empty GPU
+    assert sweeps.place(130.0, [10.0, 5.0], h200) is None
+    # trials predicted at 12 GiB: nine share one H200 (108 GiB), a tenth waits
+    used = [0.0]
+    for _ in range(9):
+        assert sweeps.place(12.0, used, [141.0]) == 0
+        used[0] += 12.0
+    assert sweeps.place(12.0, used, [141.0]) is None
+
+
+@pytest.mark.slow
+def test_a_trial_that_ran_out_of_memory_runs_again_alone_and_the_planners_miss_is_recorded(sample_sets, tmp_path):
+    base = load_config(None, tiny_overrides(sample_sets, **{"data.val_files": "[]"}))
+    s = spec(Axis(LR, values=[1e-3]), steps=2, metric="actor/lr")
+    folder = sweeps.create_sweep(base, s, name="oom", runs_root=tmp_path)
+    # The first trial's run as a worker's CUDA out-of-memory error leaves it (this CPU cannot run out of GPU
+    # memory), launched beside trial #7 with the planner's prediction recorded as the sweep records it.
+    trial = sweeps._study(folder, s).ask()
+    trial.suggest_categorical(LR, [1e-3])
+    run = tmp_path / "20260101-000000-oom-000"
+    run.mkdir()
+    (run / "status.json").write_text(json.dumps({
+        "state": "failed", "host": "gpu-node", "error": "WorkerError: worker rank 0 died during update: "
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}))
+    for name, value in (("run", str(run)), ("gpu", 0), ("predicted_gib", 30.5), ("beside", [7])):
+        trial.set_user_attr(name, value)
+
+    assert sweeps.run_sweep(folder, poll_s=0.2) == "finished"
+    first, retry = sweeps.read_sweep(folder)["trials"]
+    assert (first.state, retry.state, retry.values) == ("fail", "complete", first.values)
+    assert first.reason.startswith("out of memory beside trial(s) #7 (the planner predicted 30.5 GiB for it); "
+                                   "retried alone. WorkerError"), first.reason
+    assert launcher.read_run(retry.run)["status"]["state"] == "succeeded"
+
+
 # A deterministic reward, slow enough (0.2 s a response, a step about 1.6 s) that the sweep sees each step.
 PACED_REWARD = """
 import time

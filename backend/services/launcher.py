@@ -76,15 +76,17 @@ _children: dict[int, subprocess.Popen] = {}
 # ---- launching ----
 
 def launch(cfg: Config, *, name: str = "", runs_root: str | Path | None = None,
-           sweep: dict[str, Any] | None = None) -> Path:
+           sweep: dict[str, Any] | None = None, devices: str | None = None) -> Path:
     """Start a new run of `cfg` in the background and return its run directory.
 
     Validates first (schema, cross-field rules, files, model); on any problem raises ConfigError and
     creates nothing. `name` (optional) is appended to the timestamped folder name and must be letters,
     digits, '.', '_' and '-'. The run directory goes under `runs_root` (default: cfg.trainer.runs_root).
-    `sweep` ({"name", "trial"}) marks a sweep's trial in its status.json.
+    `sweep` ({"name", "trial"}) marks a sweep's trial in its status.json. `devices` pins the run to those
+    GPUs (CUDA_VISIBLE_DEVICES, e.g. "1"), recorded in status.json so that a resume keeps them.
     """
-    return _launch(cfg, name=name, runs_root=runs_root, extra_status={"sweep": sweep} if sweep else {})
+    extra = {**({"sweep": sweep} if sweep else {}), **({"devices": devices} if devices is not None else {})}
+    return _launch(cfg, name=name, runs_root=runs_root, extra_status=extra)
 
 
 def _launch(cfg: Config, *, name: str, runs_root: str | Path | None, extra_status: dict[str, Any],
@@ -133,10 +135,12 @@ def _spawn(run: RunDir) -> int:
     """Start the trainer for `run` detached, record its pid and process group; returns the pid."""
     cmd = [sys.executable, "-m", "backend", "train", str(run.config), "--run-dir", str(run.root), "--quiet"]
     run.logs.mkdir(parents=True, exist_ok=True)
+    devices = (read_status(run.root) or {}).get("devices")
+    pinned = {"CUDA_VISIBLE_DEVICES": devices} if devices is not None else {}
     try:
         with open(run.logs / "stdout.log", "ab") as out, open(run.logs / "stderr.log", "ab") as err:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=os.getcwd(),
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1", NICE_ENV: str(RUN_NICE)},
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", NICE_ENV: str(RUN_NICE), **pinned},
                                     start_new_session=True,
                                     close_fds=True)
     except OSError as e:

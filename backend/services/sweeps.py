@@ -21,6 +21,7 @@ import itertools
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -354,31 +355,39 @@ def start_sweep(folder: str | Path) -> int:
 
 
 def run_sweep(folder: str | Path, *, poll_s: float = 1.0, on_change: Callable[[dict], None] | None = None) -> str:
-    """Run the sweep in `folder` to its end in this process: start trials while fewer than `parallel` run and
-    the budget allows, report each running trial's metric to Optuna as its run logs it, stop the trials the
-    pruner gives up on, and record each trial's end. A failed trial never stops the sweep. Returns the
-    sweep's final state (finished or stopped). Run again after a restart, it picks up where it was: runs still
-    going are watched, runs killed with the machine are resumed from their last checkpoint."""
+    """Run the sweep in `folder` to its end in this process: start trials while fewer than `parallel` run, the
+    budget allows and (on GPUs) the planner's predicted memory fits, report each running trial's metric to
+    Optuna as its run logs it, stop the trials the pruner gives up on, and record each trial's end. A failed
+    trial never stops the sweep; one that ran out of memory beside others runs again alone. Returns the sweep's
+    final state (finished or stopped). Run again after a restart, it picks up where it was: runs still going
+    are watched, runs killed with the machine are resumed from their last checkpoint."""
     folder = Path(folder)
     spec = read_spec(folder)
     study = _study(folder, spec)
     base_text = (folder / "base.yaml").read_text()
+    gpus = _visible_gpus()
+    pending: list[optuna.Trial] = []  # asked for, waiting for room to start
     _write_state(folder, state="running", pid=os.getpid(), host=socket.gethostname(), started=time.time(),
                  stop_requested=None)
     while True:
         state = read_state(folder)
-        trials = study.get_trials(deepcopy=False)
-        running = [t for t in trials if t.state == TrialState.RUNNING]
+        waiting = {t.number for t in pending}
+        running = [t for t in study.get_trials(deepcopy=False)
+                   if t.state == TrialState.RUNNING and t.number not in waiting]
         if state.get("stop_requested"):
             for t in running:
                 _end_trial(study, t, "stopped", "the sweep was stopped")
+            for t in pending:
+                study.tell(t, state=TrialState.FAIL)
             _write_state(folder, state="stopped", finished=time.time())
             return "stopped"
         for t in running:
             if "run" not in t.user_attrs:
                 # Asked for, but the sweep's process ended before it launched the run: the settings go back
                 # in the queue (a grid point must still run) and this trial is closed and no longer shown.
-                optuna.trial.Trial(study, t._trial_id).set_user_attr("requeued", True)
+                placeholder = optuna.trial.Trial(study, t._trial_id)
+                placeholder.set_user_attr("requeued", True)
+                placeholder.set_user_attr("hidden", True)
                 _end_trial(study, t, "failed", "the sweep's process ended before this trial's run started")
                 study.enqueue_trial(dict(t.params))
                 continue
@@ -386,45 +395,111 @@ def run_sweep(folder: str | Path, *, poll_s: float = 1.0, on_change: Callable[[d
                 _watch(study, spec, t)
             except (OSError, ValueError) as e:  # its run folder deleted or unreadable: that trial ends, not the sweep
                 _end_trial(study, t, "failed", f"its run could not be read: {e}")
-        running = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
-        started = sum(t.state != TrialState.WAITING and not t.user_attrs.get("requeued")
-                      for t in study.get_trials(deepcopy=False))
-        limit = _at_once(state.get("parallel", spec.parallel))
-        while started < spec.total_trials() and len(running) < limit:
-            t = _start_trial(study, spec, folder, base_text)
+        trials = study.get_trials(deepcopy=False)
+        running = [t for t in trials if t.state == TrialState.RUNNING and t.number not in waiting]
+        started = sum(t.state != TrialState.WAITING and not t.user_attrs.get("requeued") for t in trials)
+        limit = _at_once(state.get("parallel", spec.parallel), bool(gpus))
+        while started < spec.total_trials() and len(running) + len(pending) < limit:
+            trial = study.ask()
+            for p in spec.params:
+                _suggest(trial, p)
+            pending.append(trial)
             started += 1
-            if t.state == TrialState.RUNNING:
-                running.append(t)
+        while pending:
+            outcome = _start_trial(study, pending[0], folder, base_text, spec.steps, running, gpus)
+            if outcome is None:
+                break  # no room yet: it waits for a running trial to end
+            pending.pop(0)
+            if outcome.state == TrialState.RUNNING:
+                running.append(outcome)
         _write_state(folder, state="running")
         if on_change is not None:
             on_change(read_sweep(folder))
-        if started >= spec.total_trials() and not running:
+        if started >= spec.total_trials() and not running and not pending:
             _write_state(folder, state="finished", finished=time.time())
             return "finished"
         time.sleep(poll_s)
 
 
-def _at_once(parallel: int) -> int:
-    """Trials at once: the number asked, or for 0 one per two cores (a CPU run's trainer and worker each
-    keep a core busy)."""
-    return parallel if parallel > 0 else max(1, (os.cpu_count() or 2) // 2)
+def _at_once(parallel: int, on_gpus: bool) -> int:
+    """Trials at once: the number asked; for 0 ("as many as fit"), on GPUs as many as the planner's predicted
+    memory allows (the placement decides), on a CPU one per two cores (a run's trainer and worker each keep
+    a core busy)."""
+    if parallel > 0:
+        return parallel
+    return 1 << 30 if on_gpus else max(1, (os.cpu_count() or 2) // 2)
 
 
-def _start_trial(study: optuna.Study, spec: SweepSpec, folder: Path,
-                 base_text: str) -> optuna.trial.FrozenTrial:
-    trial = study.ask()
-    values = {p.key: _suggest(trial, p) for p in spec.params}
-    name = f"{folder.name}-{trial.number:03d}"
+# The share of each GPU's memory kept free beyond the planner's predictions, which came within 20% of the
+# measured peaks (docs/performance.md).
+PACKING_MARGIN = 0.15
+
+
+def place(need_gib: float, used_gib: list[float], capacity_gib: list[float],
+          margin: float = PACKING_MARGIN) -> int | None:
+    """The GPU for a trial that needs `need_gib` (the planner's peak), given what the trials already on each
+    GPU are predicted to hold: the one with the most room left among those where it fits within
+    `1 - margin` of the memory, None when none has room. A trial larger than that goes alone on an empty GPU."""
+    fits = [i for i, (used, cap) in enumerate(zip(used_gib, capacity_gib, strict=True))
+            if used + need_gib <= cap * (1 - margin) or (used == 0 and need_gib > cap * (1 - margin))]
+    return max(fits, key=lambda i: capacity_gib[i] * (1 - margin) - used_gib[i]) if fits else None
+
+
+def _visible_gpus() -> list[float]:
+    """Total memory (GiB) of each GPU this process sees; empty without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_properties(i).total_memory / 2**30 for i in range(torch.cuda.device_count())]
+
+
+def _start_trial(study: optuna.Study, trial: optuna.Trial, folder: Path, base_text: str, steps: int | None,
+                 running: list[optuna.trial.FrozenTrial], gpus: list[float]) -> optuna.trial.FrozenTrial | None:
+    """Launch a trial's run if there is room (None when it must wait): a trial of several GPUs, or one retried
+    after running out of memory, runs alone; on GPUs, one of one GPU goes where `place` puts the planner's
+    prediction. A trial whose config cannot start is recorded as failed."""
     try:
-        cfg = trial_config(base_text, [], values, spec.steps)
-        run = launcher.launch(cfg, name=name, runs_root=folder.parent.parent,
-                              sweep={"name": folder.name, "trial": trial.number})
+        cfg = trial_config(base_text, [], dict(trial.params), steps)
+    except ConfigError as e:
+        trial.set_user_attr("reason", f"could not start: {'; '.join(e.problems)}")
+        study.tell(trial, state=TrialState.FAIL)
+        return study.get_trials(deepcopy=False)[trial.number]
+    workers = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    alone = trial.user_attrs.get("alone") or workers > 1
+    if running and (alone or any(t.user_attrs.get("alone") for t in running)):
+        return None
+    devices = None
+    if gpus and cfg.trainer.device != "cpu" and workers == 1:
+        need = _predicted_gib(cfg, gpus[0])
+        used = [sum(t.user_attrs.get("predicted_gib", 0.0) for t in running if t.user_attrs.get("gpu") == i)
+                for i in range(len(gpus))]
+        gpu = place(need, used, gpus)
+        if gpu is None:
+            return None
+        devices = str(gpu)
+        trial.set_user_attr("gpu", gpu)
+        trial.set_user_attr("predicted_gib", round(need, 2))
+        trial.set_user_attr("beside", [t.number for t in running if t.user_attrs.get("gpu") == gpu])
+    try:
+        run = launcher.launch(cfg, name=f"{folder.name}-{trial.number:03d}", runs_root=folder.parent.parent,
+                              sweep={"name": folder.name, "trial": trial.number}, devices=devices)
     except (ConfigError, OSError) as e:
         trial.set_user_attr("reason", f"could not start: {e}")
         study.tell(trial, state=TrialState.FAIL)
     else:
         trial.set_user_attr("run", str(run))
     return study.get_trials(deepcopy=False)[trial.number]
+
+
+def _predicted_gib(cfg: Config, capacity_gib: float) -> float:
+    """The planner's peak reserved memory for the trial's worker; a whole GPU when it cannot say."""
+    from backend.services import planner
+
+    try:
+        return planner.plan(cfg).need_gib
+    except ValueError:  # a ConfigError or ModelError: nothing to predict from
+        return capacity_gib
 
 
 def _suggest(trial: optuna.Trial, p: SweepParam) -> Any:
@@ -479,10 +554,35 @@ def _watch(study: optuna.Study, spec: SweepSpec, frozen: optuna.trial.FrozenTria
             trial.set_user_attr("resumed", True)
         except ConfigError as e:
             _end_trial(study, frozen, "failed", f"could not resume: {e}")
+    elif state == "failed" and OUT_OF_MEMORY.search(status.get("error") or "") and not frozen.user_attrs.get("alone"):
+        _retry_alone(study, frozen, status["error"])
     elif state == "failed":
         _end_trial(study, frozen, "failed", status.get("error") or "the run failed")
     elif state == "stopped":
         _end_trial(study, frozen, "stopped", "stopped by hand")
+
+
+# How a worker's CUDA out-of-memory error reads in a run's status (torch.OutOfMemoryError's message).
+OUT_OF_MEMORY = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
+
+
+def _retry_alone(study: optuna.Study, frozen: optuna.trial.FrozenTrial, error: str) -> None:
+    """A trial that ran out of memory: record the planner's miss and queue its settings to run again with
+    no other trial beside it (once; a retry that runs out again fails)."""
+    trial = optuna.trial.Trial(study, frozen._trial_id)
+    trial.set_user_attr("requeued", True)
+    beside = frozen.user_attrs.get("beside") or []
+    predicted = frozen.user_attrs.get("predicted_gib")
+    miss = (f"the planner predicted {predicted:.1f} GiB for it" if predicted is not None
+            else "the planner was not asked (not one GPU)")
+    others = f" beside trial(s) {', '.join(f'#{n}' for n in beside)}" if beside else ""
+    _end_trial(study, frozen, "failed", f"out of memory{others} ({miss}); retried alone. {one_line(error)}")
+    study.enqueue_trial(dict(frozen.params), user_attrs={"alone": True, "retry_of": frozen.number})
+
+
+def one_line(text: str, n: int = 300) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= n else flat[: n - 1] + "…"
 
 
 def _pruned_reason(spec: SweepSpec, step: int, value: float) -> str:
@@ -526,7 +626,7 @@ def read_sweep(folder: str | Path) -> dict:
     study = _study(folder, spec)
     rows = []
     for t in study.get_trials(deepcopy=False):
-        if t.user_attrs.get("requeued"):
+        if t.user_attrs.get("hidden"):
             continue
         run = t.user_attrs.get("run")
         curve = sorted(t.intermediate_values.items())
