@@ -22,6 +22,7 @@ if is_entry_point(__file__):
     st.set_page_config(page_title="Sweeps", layout="wide")
 
 SELECTED = "sweeps_selected"
+NOTICE = "_sweeps_notice"  # (sweep name, text): what the last control did, kept across the page's refreshes
 REFRESH_S = 2.0
 
 
@@ -141,14 +142,14 @@ def _controls(sweep: dict) -> None:
                               key=f"sweep_at_once_{sweep['name']}")
     if c1.button("Apply", key="sweep_apply_parallel", disabled=not active):
         sweeps.set_parallel(folder, int(at_once))
-        st.success(f"{int(at_once) or 'as many as fit'} at once from the next check on")
+        _notice(sweep, f"{int(at_once) or 'as many as fit'} at once from the next check on")
     if c2.button("Stop the sweep", key="sweep_stop", disabled=not active):
         sweeps.request_stop(folder)
-        st.success("Stopping: its running trials stop and no more start")
+        _notice(sweep, "Stopping: its running trials stop and no more start")
     if c3.button("Put the best trial's config on the Config page", key="sweep_promote",
                  disabled=sweep["best"] is None):
         st.session_state[presets.SESSION_KEY] = to_yaml(sweeps.best_config(folder))
-        st.success(f"The Config page now holds trial #{sweep['best'].number}'s config")
+        _notice(sweep, f"The Config page now holds trial #{sweep['best'].number}'s config")
     if state.get("state") == "interrupted" and st.button("Resume the sweep", key="sweep_resume"):
         sweeps.start_sweep(folder)
         st.rerun()
@@ -160,7 +161,14 @@ def _controls(sweep: dict) -> None:
         if c2.button("Stop this trial", key="sweep_stop_trial"):
             run = next(t.run for t in running if t.number == pick)
             launcher.stop(run, wait=False)
-            st.success(f"Stopping trial #{pick}; the sweep records it as stopped by hand")
+            _notice(sweep, f"Stopping trial #{pick}; the sweep records it as stopped by hand")
+
+
+def _notice(sweep: dict, text: str) -> None:
+    """Say what a control did, and keep saying it: the refresh every two seconds redraws the page without
+    the click that drew a plain message."""
+    st.session_state[NOTICE] = (sweep["name"], text)
+    st.rerun(scope="fragment")
 
 
 @st.fragment(run_every=REFRESH_S)
@@ -173,6 +181,9 @@ def _live(folder) -> None:
                 f"trials ended, ranked by `{spec.metric}` ({spec.direction})"
                 + (f"; best so far #{best.number}: {best.value:.4g}" if best else ""))
     guarded(_trials_table, sweep)
+    notice = st.session_state.get(NOTICE)
+    if notice and notice[0] == sweep["name"]:
+        st.success(notice[1])
     guarded(_controls, sweep)
     c1, c2 = st.columns(2)
     with c1:

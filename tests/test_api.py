@@ -23,7 +23,8 @@ EXAMPLE = REPO / "examples/three_files"
 def test_public_names_are_few_and_all_resolve():
     assert backend.__all__ == sorted(["load_config", "Config", "Trainer", "register_reward", "generate", "evaluate",
                                       "ConfigError", "DataError", "RewardError", "ModelError", "Environment", "Step",
-                                      "register_environment", "register_tool"])
+                                      "register_environment", "register_tool", "SweepSpec", "SweepParam",
+                                      "create_sweep", "run_sweep", "read_sweep"])
     for name in backend.__all__:
         assert getattr(backend, name) is not None
 

@@ -66,6 +66,8 @@ def test_a_sweeps_trials_are_listed_and_the_best_goes_to_the_config_page(home, s
     assert list(table["best so far"]) == [1e-3, 1e-3]
     assert any("best so far #0" in m.value for m in at.markdown)
     at.button(key="sweep_promote").click().run()
+    at.run()  # what the two-second refresh does: the notice stays
+    assert any("The Config page now holds trial #0's config" in m.value for m in at.success)
     promoted = yaml.safe_load(at.session_state[presets.SESSION_KEY])
     assert promoted["actor_rollout_ref"]["actor"]["optim"]["lr"] == 1e-3
     assert promoted["trainer"]["total_training_steps"] == 3
