@@ -38,11 +38,15 @@ def guarded(section, *args, slot=None) -> None:
         (slot or st).error(f"{section.__name__.strip('_').replace('_', ' ')} failed: {type(e).__name__}: {e}")
 
 
+def current_config_text() -> str:
+    """The Config page's YAML (session state), else the landing preset's: what Launch and a new sweep start."""
+    return st.session_state.get(presets.SESSION_KEY) or presets.preset_yaml_text(presets.DEFAULT_PRESET)
+
+
 def editing_config() -> Config:
     """The config being edited on the Config page (else the landing preset's), as far as it reads: a config
     with problems still gives every key it can."""
-    text = st.session_state.get(presets.SESSION_KEY) or presets.preset_yaml_text(presets.DEFAULT_PRESET)
-    return draft_config(text) or Config()
+    return draft_config(current_config_text()) or Config()
 
 
 _MD_SPECIAL = set("\\`*_{}[]<>()#+-.!|~$:")

@@ -337,8 +337,6 @@ class _PassThroughParser(argparse.ArgumentParser):
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    import time
-
     import yaml
     from tqdm import tqdm
 
@@ -359,7 +357,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                     early_stopping=args.early_stopping, startup_trials=args.startup_trials,
                     min_steps=args.min_steps)
             base = load_config(None if args.config == "defaults" else args.config, args.overrides)
-            name = args.name or time.strftime("sweep-%Y%m%d-%H%M%S")
+            name = args.name or sweeps.default_name()
             folder = sweeps.create_sweep(base, spec, name=name, runs_root=args.runs_root)
     except (sweeps.SweepError, OSError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 import streamlit as st
+from page_support import current_config_text
 
 from backend.core import workspace
 from backend.core.config import ConfigError, config_from_yaml_text
@@ -27,7 +28,6 @@ from backend.services.launcher import (
     stop,
     stop_loss,
 )
-from backend.services.presets import DEFAULT_PRESET, SESSION_KEY, preset_yaml_text
 from backend.services.run_views import config_diff, smooth
 
 REFRESH_S = 3
@@ -57,11 +57,6 @@ CHARTS = {
     "Episodes truncated, without a call": ["multi_turn/truncated_by_budget", "multi_turn/truncated_by_turns",
                                            "multi_turn/no_tool_call"],
 }
-
-
-def current_config_text() -> str:
-    """The Config page's YAML (session state), else the default preset."""
-    return st.session_state.get(SESSION_KEY) or preset_yaml_text(DEFAULT_PRESET)
 
 
 def expand(pattern: str | list[str], metrics: list[dict]) -> list[str]:

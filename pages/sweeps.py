@@ -12,7 +12,7 @@ import math
 
 import plotly.graph_objects as go
 import streamlit as st
-from page_support import guarded, is_entry_point, one_line
+from page_support import current_config_text, guarded, is_entry_point, one_line
 
 from backend.core import workspace
 from backend.core.config import config_from_yaml_text, to_yaml
@@ -24,10 +24,6 @@ if is_entry_point(__file__):
 SELECTED = "sweeps_selected"
 NOTICE = "_sweeps_notice"  # (sweep name, text): what the last control did, kept across the page's refreshes
 REFRESH_S = 2.0
-
-
-def current_config_text() -> str:
-    return st.session_state.get(presets.SESSION_KEY) or presets.preset_yaml_text(presets.DEFAULT_PRESET)
 
 
 def _new_sweep(root) -> None:
@@ -58,19 +54,13 @@ def _new_sweep(root) -> None:
             spec = sweeps.SweepSpec(params=params, metric=metric.strip(), direction=direction,
                                     trials=int(trials) or None, steps=int(steps) or None, parallel=int(parallel),
                                     early_stopping=early)
-            folder = sweeps.create_sweep(cfg, spec, name=name.strip() or _default_name(), runs_root=root)
+            folder = sweeps.create_sweep(cfg, spec, name=name.strip() or sweeps.default_name(), runs_root=root)
         except sweeps.SweepError as e:
             st.error(str(e))
             return
         sweeps.start_sweep(folder)
         st.session_state[SELECTED] = folder.name
         st.success(f"Started {folder.name}: {spec.total_trials()} trials")
-
-
-def _default_name() -> str:
-    import time
-
-    return time.strftime("sweep-%Y%m%d-%H%M%S")
 
 
 def _short(key: str) -> str:

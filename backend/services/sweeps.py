@@ -253,6 +253,11 @@ def _yaml_value(value: Any) -> str:
 
 # ---- making a sweep ----
 
+def default_name() -> str:
+    """A sweep's name when none is given: the time it was made."""
+    return time.strftime("sweep-%Y%m%d-%H%M%S")
+
+
 def create_sweep(base: Config, spec: SweepSpec, *, name: str, runs_root: str | Path | None = None) -> Path:
     """Check `spec` against `base` and write the sweep's folder; nothing runs until `run_sweep`."""
     try:
@@ -576,11 +581,11 @@ def _retry_alone(study: optuna.Study, frozen: optuna.trial.FrozenTrial, error: s
     miss = (f"the planner predicted {predicted:.1f} GiB for it" if predicted is not None
             else "the planner was not asked (not one GPU)")
     others = f" beside trial(s) {', '.join(f'#{n}' for n in beside)}" if beside else ""
-    _end_trial(study, frozen, "failed", f"out of memory{others} ({miss}); retried alone. {one_line(error)}")
+    _end_trial(study, frozen, "failed", f"out of memory{others} ({miss}); retried alone. {_one_line(error)}")
     study.enqueue_trial(dict(frozen.params), user_attrs={"alone": True, "retry_of": frozen.number})
 
 
-def one_line(text: str, n: int = 300) -> str:
+def _one_line(text: str, n: int = 300) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= n else flat[: n - 1] + "…"
 
