@@ -1,0 +1,152 @@
+"""A sweep's throughput on one machine: its trials packed by the planner against the same trials one after
+another, and with early stopping against the full grid (docs/sweeps.md, "Measured").
+
+    python bench/sweep_gpu.py packed  --out OUT/packed.json  [sweep options] [config overrides]
+    python bench/sweep_gpu.py alone   --out OUT/alone.json   [sweep options] --only KEY=VALUE [overrides]
+    python bench/sweep_gpu.py halving --out OUT/halving.json [sweep options] [config overrides]
+    python bench/sweep_gpu.py report OUT/packed.json OUT/alone.json OUT/halving.json --out OUT/sweep.json
+
+`packed` runs the whole grid with as many trials at once as the planner fits; `halving` does the same with
+successive-halving early stopping; `alone` runs trials one at a time (all of them, or with `--only` the grid
+points where KEY has VALUE: the few that predict the rest when a full sequential pass does not fit in the time
+there is). Each writes the sweep's wall time (from the first trial's launch to the last one's end) and each
+trial's settings, state, result, steps, run time and the planner's prediction. `report` predicts the sequential
+time of the packed grid from the alone trials (each packed trial costs what an alone trial with the same value
+of `--by` cost, on average), and prints the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backend.core.config import load_config  # noqa: E402
+from backend.core.runs import read_metrics  # noqa: E402
+from backend.services import launcher, sweeps  # noqa: E402
+
+RECIPE = "configs/recipes/arithmetic.yaml"
+GRID = ["actor_rollout_ref.actor.optim.lr=3e-6,1e-5,3e-5,1e-4", "actor_rollout_ref.rollout.n=4,8"]
+
+
+def run(mode: str, args: argparse.Namespace) -> dict:
+    params = sweeps.parse_grid(args.grid)
+    if args.only:
+        (only,) = sweeps.parse_grid([args.only])
+        params = [only if p.key == only.key else p for p in params]
+    spec = sweeps.SweepSpec(params=params, metric=args.metric, direction="max", steps=args.steps,
+                            parallel=1 if mode == "alone" else 0,
+                            early_stopping="halving" if mode == "halving" else "off", min_steps=args.min_steps)
+    base = load_config(args.config, args.overrides)
+    runs_root = Path(args.runs_root)
+    name = f"{mode}-{time.strftime('%H%M%S')}"
+    folder = sweeps.create_sweep(base, spec, name=name, runs_root=runs_root)
+    began = time.time()
+    state = sweeps.run_sweep(folder, on_change=lambda s: print(progress(s), flush=True))
+    wall = time.time() - began
+    sweep = sweeps.read_sweep(folder)
+    trials = []
+    for t in sweep["trials"]:
+        status = launcher.read_run(t.run)["status"] if t.run else {}
+        start, end = status.get("created"), status.get("finished")
+        trials.append({"number": t.number, "values": t.values, "state": t.state, "value": t.value, "step": t.step,
+                       "reason": t.reason, "run_s": round(end - start, 1) if start and end else None,
+                       "steps_done": status.get("step"), "gpu_peak_reserved_gib": peak(t.run),
+                       **trial_attrs(folder, t.number)})
+    best = sweep["best"]
+    return {"mode": mode, "state": state, "sweep_wall_s": round(wall, 1), "config": args.config,
+            "overrides": args.overrides, "grid": args.grid, "only": args.only, "steps": args.steps,
+            "metric": args.metric, "best": {"values": best.values, "value": best.value} if best else None,
+            "trial_s_total": round(sum(t["run_s"] or 0 for t in trials), 1), "trials": trials}
+
+
+def trial_attrs(folder: Path, number: int) -> dict:
+    """What the sweep recorded when it placed the trial: its GPU, the planner's prediction, who was beside it."""
+    study = sweeps._study(folder, sweeps.read_spec(folder))
+    attrs = study.get_trials(deepcopy=False)[number].user_attrs
+    return {k: attrs[k] for k in ("gpu", "predicted_gib", "beside") if k in attrs}
+
+
+def peak(run: str | None) -> float | None:
+    """The largest peak reserved memory the trial's worker reported in any step."""
+    if not run:
+        return None
+    peaks = [row["perf/max_memory_reserved_gb"] for row in read_metrics(run)
+             if "perf/max_memory_reserved_gb" in row]
+    return round(max(peaks), 2) if peaks else None
+
+
+def progress(sweep: dict) -> str:
+    counts: dict[str, int] = {}
+    for t in sweep["trials"]:
+        counts[t.state] = counts.get(t.state, 0) + 1
+    return f"[{time.strftime('%H:%M:%S')}] " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+
+
+def report(paths: list[str], by: str) -> dict:
+    results = {r["mode"]: r for r in (json.loads(Path(p).read_text()) for p in paths)}
+    packed, alone = results["packed"], results.get("alone")
+    out: dict = {"packed_wall_s": packed["sweep_wall_s"], "packed_best": packed["best"],
+                 "oom_trials": [t["number"] for t in packed["trials"] if "out of memory" in (t["reason"] or "")]}
+    if alone:
+        cost: dict[str, list[float]] = {}
+        for t in alone["trials"]:
+            cost.setdefault(str(t["values"][by]), []).append(t["run_s"])
+        predicted = sum(statistics.mean(cost[str(t["values"][by])]) for t in packed["trials"])
+        out.update(alone_run_s=cost, sequential_predicted_s=round(predicted, 1),
+                   alone_sweep_wall_s=alone["sweep_wall_s"],
+                   throughput_ratio=round(predicted / packed["sweep_wall_s"], 2))
+    halving = results.get("halving")
+    if halving:
+        out.update(halving_wall_s=halving["sweep_wall_s"], halving_best=halving["best"],
+                   halving_wall_share=round(halving["sweep_wall_s"] / packed["sweep_wall_s"], 3),
+                   halving_trial_s_share=round(halving["trial_s_total"] / packed["trial_s_total"], 3),
+                   same_best=(halving["best"] or {}).get("values") == (packed["best"] or {}).get("values"))
+    return out
+
+
+def table(result: dict) -> str:
+    keys = sorted({k for t in result["trials"] for k in t["values"]})
+    head = ["#", *(k.rsplit(".", 1)[-1] for k in keys), "state", "step", result["metric"], "run s", "gpu",
+            "predicted GiB", "peak GiB"]
+    rows = [[t["number"], *(t["values"].get(k) for k in keys), t["state"], t["step"],
+             None if t["value"] is None else round(t["value"], 3), t["run_s"], t.get("gpu"), t.get("predicted_gib"),
+             t["gpu_peak_reserved_gib"]] for t in result["trials"]]
+    lines = [" | ".join(map(str, head))] + [" | ".join("-" if v is None else str(v) for v in r) for r in rows]
+    return "\n".join(lines) + f"\nsweep {result['state']} in {result['sweep_wall_s']} s; trials' run time summed " \
+                              f"{result['trial_s_total']} s; best {result['best']}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["packed", "alone", "halving", "report"])
+    p.add_argument("rest", nargs="*", help="config overrides (report: the JSON files)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--config", default=RECIPE)
+    p.add_argument("--grid", nargs="+", default=GRID)
+    p.add_argument("--only", help="alone: only the grid points where KEY=VALUE")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--metric", default="val/accuracy")
+    p.add_argument("--min-steps", type=int, default=10, help="halving: the first rung's step")
+    p.add_argument("--by", default="actor_rollout_ref.rollout.n", help="report: the key an alone trial's cost follows")
+    p.add_argument("--runs-root", default="/tmp/sweep-runs")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.mode == "report":
+        result = report(args.rest, args.by)
+        print(json.dumps(result, indent=1))
+    else:
+        args.overrides = args.rest
+        result = run(args.mode, args)
+        print(table(result))
+    out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
