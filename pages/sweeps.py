@@ -1,7 +1,7 @@
 """Sweeps page: start a sweep of the config being edited over a grid or random ranges of keys, watch its
 trials (table, overlaid curves, settings against result), stop a trial or the sweep, change how many trials
-run at once, and put the best trial's config on the Config page. Everything here calls
-backend.services.sweeps and reads the sweep's folder; the trials are ordinary runs.
+run at once, put the best trial's config on the Config page, and delete a sweep once confirmed. Everything here
+calls backend.services.sweeps and reads the sweep's folder; the trials are ordinary runs.
 
 Runs on its own too under AppTest.from_file("pages/sweeps.py").
 """
@@ -23,6 +23,7 @@ if is_entry_point(__file__):
 
 SELECTED = "sweeps_selected"
 NOTICE = "_sweeps_notice"  # (sweep name, text): what the last control did, kept across the page's refreshes
+DELETED = "_sweeps_deleted"  # what the delete button did, shown once after the page redraws without the sweep
 REFRESH_S = 2.0
 
 
@@ -143,6 +144,19 @@ def _controls(sweep: dict) -> None:
     if state.get("state") == "interrupted" and st.button("Resume the sweep", key="sweep_resume"):
         sweeps.start_sweep(folder)
         st.rerun()
+    c1, c2, c3 = st.columns(3)
+    confirm = c1.checkbox("Really delete this sweep", key="sweep_delete_confirm",
+                          help="Stop the sweep first." if active else None)
+    with_runs = c2.checkbox("with its trials' runs", key="sweep_delete_runs",
+                            help="Without this the trials stay on the Runs page as ordinary runs.")
+    if c3.button("Delete sweep", key="sweep_delete", disabled=active or not confirm):
+        try:
+            sweeps.delete_sweep(folder, with_runs=with_runs)
+        except (sweeps.SweepError, ValueError, OSError) as e:
+            _notice(sweep, f"Not deleted: {e}")
+        st.session_state[DELETED] = f"Deleted sweep {sweep['name']}" + (" and its trials' runs" if with_runs else "")
+        st.session_state.pop(SELECTED, None)
+        st.rerun()
     running = [t for t in sweep["trials"] if t.state == "running" and t.run]
     if running:
         c1, c2 = st.columns([3, 1])
@@ -184,6 +198,8 @@ def _live(folder) -> None:
 
 st.title("Sweeps")
 root = workspace.runs_root()
+if DELETED in st.session_state:
+    st.success(st.session_state.pop(DELETED))
 with st.expander("New sweep of the current config", expanded=not sweeps.list_sweeps(root)):
     guarded(_new_sweep, root)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -114,6 +115,26 @@ def tiny_overrides(sample_sets: dict[str, Path], model: str = "tiny-qwen3", **ex
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def finished_trials(folder: Path, spec, runs_root: Path) -> list[Path]:
+    """Two trials of a grid sweep recorded as the sweep records them, each with a finished run directory, without
+    training."""
+    from backend.services import sweeps  # after TRITON_INTERPRET is set above
+
+    study = sweeps._study(folder, spec)
+    runs = []
+    for i in range(2):
+        trial = study.ask()
+        for p in spec.params:
+            trial.suggest_categorical(p.key, p.values)
+        run = runs_root / f"20260101-00000{i}-{folder.name}-{i:03d}"
+        run.mkdir(parents=True)
+        (run / "status.json").write_text(json.dumps({"state": "succeeded", "host": "elsewhere"}))
+        trial.set_user_attr("run", str(run))
+        study.tell(trial, 0.5)
+        runs.append(run)
+    return runs
 
 
 # The browser tests' fixtures (the workbench served on localhost, Chromium, a page of it), for any test file.

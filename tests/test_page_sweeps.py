@@ -1,5 +1,5 @@
 """The Sweeps page's logic, through Streamlit's AppTest: it refuses a bad sweep with the key named, shows a
-sweep's trials, and puts the best trial's config on the Config page."""
+sweep's trials, puts the best trial's config on the Config page, and deletes a sweep only once confirmed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from streamlit.testing.v1 import AppTest
 from backend.core.config import load_config, to_yaml
 from backend.services import presets, sweeps
 
-from .conftest import REPO, tiny_overrides
+from .conftest import REPO, finished_trials, tiny_overrides
 
 PAGE = str(REPO / "pages/sweeps.py")
 LR = "actor_rollout_ref.actor.optim.lr"
@@ -71,3 +71,19 @@ def test_a_sweeps_trials_are_listed_and_the_best_goes_to_the_config_page(home, s
     promoted = yaml.safe_load(at.session_state[presets.SESSION_KEY])
     assert promoted["actor_rollout_ref"]["actor"]["optim"]["lr"] == 1e-3
     assert promoted["trainer"]["total_training_steps"] == 3
+
+
+def test_a_sweep_is_deleted_only_once_confirmed_and_with_its_runs_when_asked(home, sample_sets):
+    base = load_config(None, tiny_overrides(sample_sets))
+    spec = sweeps.SweepSpec(params=[sweeps.SweepParam(LR, values=[1e-3, 1e-6])])
+    folder = sweeps.create_sweep(base, spec, name="lr", runs_root=home / "runs")
+    runs = finished_trials(folder, spec, home / "runs")
+    at = page(home).run()
+    assert at.button(key="sweep_delete").disabled
+    at.checkbox(key="sweep_delete_confirm").check().run()
+    at.checkbox(key="sweep_delete_runs").check().run()
+    at.button(key="sweep_delete").click().run()
+    assert not at.exception
+    assert any("Deleted sweep lr and its trials' runs" in m.value for m in at.success)
+    assert any("No sweeps yet" in i.value for i in at.info)
+    assert not folder.exists() and not any(r.exists() for r in runs)

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from backend.core.config import load_config
 from backend.core.models import resolve_model
 from backend.services import launcher, sweeps
 
-from .conftest import REPO, tiny_overrides, wait_for
+from .conftest import REPO, finished_trials, tiny_overrides, wait_for
 
 LR = "actor_rollout_ref.actor.optim.lr"
 N = "actor_rollout_ref.rollout.n"
@@ -115,6 +116,27 @@ def test_a_trial_asked_for_but_never_launched_runs_again_and_a_trial_that_cannot
     (trial,) = sweeps.read_sweep(folder)["trials"]
     assert (trial.values, trial.state, trial.run) == ({LR: 1e-3}, "fail", None)
     assert trial.reason.startswith("could not start: ") and "gone.parquet" in trial.reason
+
+
+def test_deleting_a_sweep_refuses_a_running_one_and_removes_its_trials_runs_only_when_asked(base, tmp_path):
+    s = spec(Axis(LR, values=[1e-3, 1e-6]))
+    kept = sweeps.create_sweep(base, s, name="kept", runs_root=tmp_path)
+    kept_runs = finished_trials(kept, s, tmp_path)
+    sweeps._write_state(kept, state="running", pid=os.getpid(), host=socket.gethostname())
+    with pytest.raises(sweeps.SweepError, match="sweep kept is running: stop it before deleting it"):
+        sweeps.delete_sweep(kept, with_runs=True)
+    assert kept.is_dir() and all(r.is_dir() for r in kept_runs)
+
+    sweeps.request_stop(kept)
+    sweeps._write_state(kept, state="stopped")
+    sweeps.delete_sweep(kept)
+    assert not kept.exists() and all(r.is_dir() for r in kept_runs)  # the trials stay as ordinary runs
+
+    gone = sweeps.create_sweep(base, s, name="gone", runs_root=tmp_path)
+    gone_runs = finished_trials(gone, s, tmp_path)
+    sweeps.delete_sweep(gone, with_runs=True)
+    assert not gone.exists() and not any(r.exists() for r in gone_runs)
+    assert sweeps.list_sweeps(tmp_path) == [] and all(r.is_dir() for r in kept_runs)
 
 
 def test_placement_puts_a_trial_on_the_gpu_with_most_room_within_the_margin_and_a_huge_one_alone():

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -663,6 +664,21 @@ def _alive(pid: int | None) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def delete_sweep(folder: str | Path, *, with_runs: bool = False) -> None:
+    """Remove a sweep's folder, and with `with_runs` its trials' run directories too (a trial still running is
+    stopped first); without it the trials stay as ordinary runs. Refuses a sweep whose process is running:
+    stop it first, or its next poll would write the folder again."""
+    folder = Path(folder)
+    sweep = read_sweep(folder)
+    if sweep["state"].get("state") in ("starting", "running"):
+        raise SweepError(f"sweep {folder.name} is running: stop it before deleting it")
+    if with_runs:
+        for t in sweep["trials"]:
+            if t.run:
+                launcher.delete(t.run, folder.parent.parent)
+    shutil.rmtree(folder)
 
 
 def list_sweeps(runs_root: str | Path) -> list[Path]:
