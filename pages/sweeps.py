@@ -1,7 +1,8 @@
 """Sweeps page: start a sweep of the config being edited over a grid or random ranges of keys, watch its
 trials (table, overlaid curves, settings against result), stop a trial or the sweep, change how many trials
-run at once, put the best trial's config on the Config page, and delete a sweep once confirmed. Everything here
-calls backend.services.sweeps and reads the sweep's folder; the trials are ordinary runs.
+run at once, clone a trial with an edited config into the sweep, put the best trial's config on the Config
+page, and delete a sweep once confirmed. Everything here calls backend.services.sweeps and reads the sweep's
+folder; the trials are ordinary runs.
 
 Runs on its own too under AppTest.from_file("pages/sweeps.py").
 """
@@ -15,7 +16,8 @@ import streamlit as st
 from page_support import current_config_text, guarded, is_entry_point, one_line
 
 from backend.core import workspace
-from backend.core.config import config_from_yaml_text, to_yaml
+from backend.core.config import ConfigError, config_from_yaml_text, to_yaml
+from backend.core.runs import latest_checkpoint
 from backend.services import launcher, presets, sweeps
 
 if is_entry_point(__file__):
@@ -80,6 +82,7 @@ def _trials_table(sweep: dict) -> None:
                      **{_short(k): v for k, v in t.values.items()},
                      "step": t.step, spec.metric: t.value, "best so far": best_so_far,
                      "why it stopped": one_line(t.reason or "", 120),
+                     "clone of": "" if t.clone_of is None else f"#{t.clone_of}",
                      "run": t.run.rsplit("/", 1)[-1] if t.run else ""})
     st.dataframe(rows, hide_index=True, key="sweep_trials_table")
 
@@ -175,6 +178,38 @@ def _notice(sweep: dict, text: str) -> None:
     st.rerun(scope="fragment")
 
 
+def _clone(folder) -> None:
+    """Fork a trial from its latest checkpoint with an edited config into the running sweep. Outside the
+    refreshing part of the page, so that the editor keeps what is typed."""
+    sweep = sweeps.read_sweep(folder)
+    candidates = [(t, ckpt) for t in sweep["trials"] if t.run and (ckpt := latest_checkpoint(t.run)) is not None]
+    if not candidates:
+        st.caption("No trial has a checkpoint yet: a trial saves one every trainer.save_freq steps.")
+        return
+    numbers = [t.number for t, _ in candidates]
+    pick = st.selectbox("Trial", numbers, index=len(numbers) - 1, format_func=lambda n: f"#{n}",
+                        key="sweep_clone_trial")
+    trial, ckpt = candidates[numbers.index(pick)]
+    text = st.text_area(f"Config of the clone (from {ckpt.name})", launcher.fork_config_text(trial.run, ckpt.name),
+                        height=240, key=f"sweep_clone_yaml_{sweep['name']}_{pick}_{ckpt.name}",
+                        help="The trial's config: edit what the clone should change. It starts from the checkpoint "
+                             "and joins the sweep as a new trial.")
+    if st.button("Start clone", key="sweep_clone"):
+        cfg, problems = config_from_yaml_text(text)
+        if cfg is None:
+            st.error("\n".join(problems))
+            return
+        try:
+            number = sweeps.clone_trial(folder, pick, cfg)
+        except sweeps.SweepError as e:
+            st.error(str(e))
+            return
+        except ConfigError as e:
+            st.error("\n\n".join(e.problems))
+            return
+        st.success(f"Trial #{number}: a clone of #{pick} from {ckpt.name}, now in the sweep")
+
+
 @st.fragment(run_every=REFRESH_S)
 def _live(folder) -> None:
     sweep = sweeps.read_sweep(folder)
@@ -212,3 +247,5 @@ else:
         st.session_state[SELECTED] = names[0]
     chosen = st.selectbox("Sweep", names, key=SELECTED)
     _live(found[names.index(chosen)])
+    with st.expander("Clone a trial with an edited config"):
+        guarded(_clone, found[names.index(chosen)])

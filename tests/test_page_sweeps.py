@@ -87,3 +87,22 @@ def test_a_sweep_is_deleted_only_once_confirmed_and_with_its_runs_when_asked(hom
     assert any("Deleted sweep lr and its trials' runs" in m.value for m in at.success)
     assert any("No sweeps yet" in i.value for i in at.info)
     assert not folder.exists() and not any(r.exists() for r in runs)
+
+
+def test_the_clone_form_offers_a_trials_config_at_its_latest_checkpoint_and_says_why_it_cannot_start(home,
+                                                                                                    sample_sets):
+    base = load_config(None, tiny_overrides(sample_sets))
+    spec = sweeps.SweepSpec(params=[sweeps.SweepParam(LR, values=[1e-3, 1e-6])])
+    folder = sweeps.create_sweep(base, spec, name="lr", runs_root=home / "runs")
+    run = finished_trials(folder, spec, home / "runs")[1]
+    (run / "config.yaml").write_text(to_yaml(load_config(None, tiny_overrides(sample_sets, **{LR: 1e-6}))))
+    for step in (1, 2):
+        (run / "checkpoints" / f"step_{step}").mkdir(parents=True)
+    at = page(home).run()
+    assert at.selectbox(key="sweep_clone_trial").value == 1
+    (editor,) = [t for t in at.text_area if t.label == "Config of the clone (from step_2)"]
+    assert yaml.safe_load(editor.value)["actor_rollout_ref"]["actor"]["optim"]["lr"] == 1e-6
+    at.button(key="sweep_clone").click().run()
+    assert not at.exception
+    assert any("sweep lr is not running: a clone joins a running sweep" in e.value for e in at.error)
+    assert len(sweeps.read_sweep(folder)["trials"]) == 2

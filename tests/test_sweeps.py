@@ -18,6 +18,7 @@ import pytest
 
 from backend.core.config import load_config
 from backend.core.models import resolve_model
+from backend.core.runs import checkpoint_step, latest_checkpoint
 from backend.services import launcher, sweeps
 
 from .conftest import REPO, finished_trials, tiny_overrides, wait_for
@@ -241,3 +242,50 @@ def test_a_sweep_finishes_one_trial_stops_one_early_fails_a_broken_one_and_survi
     assert (best.actor_rollout_ref.actor.optim.lr, best.actor_rollout_ref.model.path) == (1e-3, "tiny-qwen3")
     assert best.trainer.total_training_steps == 4
     assert os.path.getsize(folder / "study.journal") > 0
+
+
+def test_a_clone_needs_a_running_sweep_and_a_checkpoint(base, tmp_path):
+    s = spec(Axis(LR, values=[1e-3, 1e-6]))
+    folder = sweeps.create_sweep(base, s, name="clone", runs_root=tmp_path)
+    finished_trials(folder, s, tmp_path)
+    with pytest.raises(sweeps.SweepError, match="sweep clone is not running: a clone joins a running sweep"):
+        sweeps.clone_trial(folder, 0, base)
+    sweeps._write_state(folder, state="running", pid=os.getpid(), host=socket.gethostname())
+    with pytest.raises(sweeps.SweepError, match="trial #0 has no checkpoint yet to clone from"):
+        sweeps.clone_trial(folder, 0, base)
+    with pytest.raises(sweeps.SweepError, match="sweep clone has no trial #5 with a run"):
+        sweeps.clone_trial(folder, 5, base)
+    assert len(sweeps.read_sweep(folder)["trials"]) == 2
+
+
+@pytest.mark.slow
+def test_a_trial_cloned_with_an_edited_config_joins_the_running_sweep_from_its_checkpoint(sample_sets, tmp_path):
+    reward = tmp_path / "paced_reward.py"
+    reward.write_text(PACED_REWARD)
+    base = load_config(None, tiny_overrides(sample_sets, **{"custom_reward_function.path": reward,
+                                                            "data.val_files": "[]", "trainer.save_freq": 1}))
+    s = spec(Axis(LR, values=[1e-3]), steps=6, metric="actor/lr")
+    folder = sweeps.create_sweep(base, s, name="clone", runs_root=tmp_path)
+    sweeps.start_sweep(folder)
+
+    def checkpointed() -> Path | None:
+        trials = sweeps.read_sweep(folder)["trials"]
+        return trials and trials[0].run and latest_checkpoint(trials[0].run)
+
+    wait_for(checkpointed, timeout=180)
+    parent = sweeps.read_sweep(folder)["trials"][0]
+    checkpoint = latest_checkpoint(parent.run)
+    edited = load_config(Path(parent.run) / "config.yaml", [f"{LR}=1e-6"])
+    number = sweeps.clone_trial(folder, 0, edited)
+    wait_for(lambda: sweeps.read_sweep(folder)["state"]["state"] == "finished", timeout=300)
+
+    sweep = sweeps.read_sweep(folder)
+    original, clone = sweep["trials"]
+    assert number == clone.number == 1 and clone.clone_of == 0
+    assert (original.state, clone.state) == ("complete", "complete")
+    assert clone.values == {LR: 1e-6} and clone.value == pytest.approx(1e-6)  # the sweep read the clone's metric
+    assert sweep["best"].number == 0
+    status = launcher.read_run(clone.run)["status"]
+    assert status["forked_from"] == {"run": Path(parent.run).name, "checkpoint": str(checkpoint)}
+    assert status["sweep"] == {"name": "clone", "clone_of": 0} and status["state"] == "succeeded"
+    assert checkpoint_step(checkpoint) < clone.step == 6

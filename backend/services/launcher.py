@@ -191,13 +191,14 @@ def resume(run_dir: str | Path, *, overrides: Sequence[str] = ()) -> Path:
 
 
 def fork(run_dir: str | Path, checkpoint: str | Path, cfg: Config, name: str = "", *,
-         runs_root: str | Path | None = None) -> Path:
+         runs_root: str | Path | None = None, sweep: dict[str, Any] | None = None,
+         devices: str | None = None) -> Path:
     """Start a NEW run from a checkpoint of another run, with a (possibly edited) config.
 
     `checkpoint` is a checkpoint folder, or a name such as "step_20" inside run_dir/checkpoints.
     The new run goes next to its parent (or under `runs_root`), in a folder named `name`, by default
     `fork_name`'s; its status.json records "forked_from": {"run": parent's folder name, "checkpoint":
-    checkpoint path}. `cfg` is not modified.
+    checkpoint path}, and `sweep` and `devices` as `launch` does. `cfg` is not modified.
     """
     run_dir = Path(run_dir)
     ckpt = _checkpoint_path(run_dir, checkpoint)
@@ -211,7 +212,9 @@ def fork(run_dir: str | Path, checkpoint: str | Path, cfg: Config, name: str = "
     cfg.trainer.resume_mode = "resume_path"
     cfg.trainer.resume_from_path = str(ckpt)
     return _launch(cfg, name="", folder=name or fork_name(run_dir, ckpt, root), runs_root=root,
-                   extra_status={"forked_from": {"run": run_dir.name, "checkpoint": str(ckpt)}})
+                   extra_status={"forked_from": {"run": run_dir.name, "checkpoint": str(ckpt)},
+                                 **({"sweep": sweep} if sweep else {}),
+                                 **({"devices": devices} if devices is not None else {})})
 
 
 def fork_config_text(run_dir: str | Path, checkpoint: str | Path) -> str:

@@ -43,10 +43,11 @@ from backend.core.config import (
     ConfigError,
     config_from_yaml_text,
     field_specs,
+    get_value,
     parse_override,
     to_yaml,
 )
-from backend.core.runs import atomic_write_text, read_metrics
+from backend.core.runs import atomic_write_text, latest_checkpoint, read_metrics
 from backend.core.workspace import PathError, check_name
 from backend.services import launcher
 
@@ -403,7 +404,8 @@ def run_sweep(folder: str | Path, *, poll_s: float = 1.0, on_change: Callable[[d
                 _end_trial(study, t, "failed", f"its run could not be read: {e}")
         trials = study.get_trials(deepcopy=False)
         running = [t for t in trials if t.state == TrialState.RUNNING and t.number not in waiting]
-        started = sum(t.state != TrialState.WAITING and not t.user_attrs.get("requeued") for t in trials)
+        started = sum(t.state != TrialState.WAITING and not t.user_attrs.get("requeued")
+                      and "clone_of" not in t.user_attrs for t in trials)
         limit = _at_once(state.get("parallel", spec.parallel), bool(gpus))
         while started < spec.total_trials() and len(running) + len(pending) < limit:
             trial = study.ask()
@@ -610,6 +612,52 @@ def _end_trial(study: optuna.Study, frozen: optuna.trial.FrozenTrial, how: str, 
                else TrialState.FAIL)
 
 
+def clone_trial(folder: str | Path, number: int, cfg: Config) -> int:
+    """Fork trial `number`'s run from its latest checkpoint with the edited `cfg` (its run's config, changed)
+    into the running sweep as a new trial, which the sweep watches, ranks and may stop like any other; returns
+    the new trial's number. Its settings are the parent's, with the varied keys the edit changed. Raises
+    SweepError when the sweep is not running or the trial has no checkpoint, ConfigError when `cfg` cannot
+    start."""
+    folder = Path(folder)
+    sweep = read_sweep(folder)
+    if sweep["state"].get("state") not in ("starting", "running"):
+        raise SweepError(f"sweep {folder.name} is not running: a clone joins a running sweep, resume it first")
+    parent = next((t for t in sweep["trials"] if t.number == number and t.run), None)
+    if parent is None:
+        raise SweepError(f"sweep {folder.name} has no trial #{number} with a run")
+    checkpoint = latest_checkpoint(parent.run)
+    if checkpoint is None:
+        raise SweepError(f"trial #{number} has no checkpoint yet to clone from: its run saves one every "
+                         f"trainer.save_freq steps")
+    spec = sweep["spec"]
+    edits = {p.key: get_value(cfg, p.key) for p in spec.params if get_value(cfg, p.key) != parent.values.get(p.key)}
+    study = _study(folder, spec)
+    trials = study.get_trials(deepcopy=False)
+    attrs: dict[str, Any] = {"clone_of": number, "edits": edits}
+    devices = None
+    gpus = _visible_gpus()
+    if gpus and cfg.trainer.device != "cpu":
+        running = [t for t in trials if t.state == TrialState.RUNNING]
+        need = _predicted_gib(cfg, gpus[0])
+        used = [sum(t.user_attrs.get("predicted_gib", 0.0) for t in running if t.user_attrs.get("gpu") == i)
+                for i in range(len(gpus))]
+        gpu = place(need, used, gpus)
+        if gpu is None:
+            raise SweepError(f"no GPU has room for the clone now (the planner predicts {need:.1f} GiB; "
+                             f"{', '.join(f'{u:.1f}' for u in used)} GiB held): stop a trial first")
+        devices = str(gpu)
+        attrs.update(gpu=gpu, predicted_gib=round(need, 2))
+    run = launcher.fork(parent.run, checkpoint, cfg, launcher.fork_name(parent.run, checkpoint),
+                        sweep={"name": folder.name, "clone_of": number}, devices=devices)
+    # Added whole, run included: a running trial without one would look, to the sweep, like one its process
+    # asked for and never launched. The parent's settings keep the study's distributions; the edits are shown.
+    parent_trial = trials[number]
+    study.add_trial(optuna.trial.create_trial(
+        state=TrialState.RUNNING, params=dict(parent_trial.params), distributions=dict(parent_trial.distributions),
+        user_attrs={"run": str(run), **attrs}))
+    return study.get_trials(deepcopy=False)[-1].number
+
+
 # ---- reading a sweep back ----
 
 @dataclass
@@ -622,6 +670,7 @@ class TrialRow:
     value: float | None
     reason: str | None = None
     curve: list[tuple[int, float]] = field(default_factory=list)
+    clone_of: int | None = None
 
 
 def read_sweep(folder: str | Path) -> dict:
@@ -637,11 +686,11 @@ def read_sweep(folder: str | Path) -> dict:
         run = t.user_attrs.get("run")
         curve = sorted(t.intermediate_values.items())
         # A queued grid point has no params yet: Optuna keeps the values it will take as "fixed_params".
-        values = dict(t.params) or dict(t.system_attrs.get("fixed_params") or {})
+        values = {**(dict(t.params) or dict(t.system_attrs.get("fixed_params") or {})), **t.user_attrs.get("edits", {})}
         rows.append(TrialRow(number=t.number, values=values, state=t.state.name.lower(), run=run,
                              step=curve[-1][0] if curve else None,
                              value=t.value if t.state == TrialState.COMPLETE else (curve[-1][1] if curve else None),
-                             reason=t.user_attrs.get("reason"), curve=curve))
+                             reason=t.user_attrs.get("reason"), curve=curve, clone_of=t.user_attrs.get("clone_of")))
     done = [r for r in rows if r.state == "complete" and r.value is not None]
     pick = max if spec.direction == "max" else min
     best = pick(done, key=lambda r: r.value) if done else None
