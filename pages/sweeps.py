@@ -61,8 +61,12 @@ def _new_sweep(root) -> None:
         except sweeps.SweepError as e:
             st.error(str(e))
             return
-        sweeps.start_sweep(folder)
         st.session_state[SELECTED] = folder.name
+        try:
+            sweeps.start_sweep(folder)
+        except ConfigError as e:  # a cluster that takes no job: the sweep stays, to resume once it does
+            st.error("\n\n".join(e.problems))
+            return
         st.success(f"Started {folder.name}: {spec.total_trials()} trials")
 
 
@@ -144,8 +148,11 @@ def _controls(sweep: dict) -> None:
                  disabled=sweep["best"] is None):
         st.session_state[presets.SESSION_KEY] = to_yaml(sweeps.best_config(folder))
         _notice(sweep, f"The Config page now holds trial #{sweep['best'].number}'s config")
-    if state.get("state") == "interrupted" and st.button("Resume the sweep", key="sweep_resume"):
-        sweeps.start_sweep(folder)
+    if state.get("state") in ("interrupted", "failed") and st.button("Resume the sweep", key="sweep_resume"):
+        try:
+            sweeps.start_sweep(folder)
+        except ConfigError as e:
+            _notice(sweep, "Not resumed: " + " ".join(e.problems))
         st.rerun()
     c1, c2, c3 = st.columns(3)
     confirm = c1.checkbox("Really delete this sweep", key="sweep_delete_confirm",

@@ -274,7 +274,6 @@ def test_a_trial_cloned_with_an_edited_config_joins_the_running_sweep_from_its_c
 
     wait_for(checkpointed, timeout=180)
     parent = sweeps.read_sweep(folder)["trials"][0]
-    checkpoint = latest_checkpoint(parent.run)
     edited = load_config(Path(parent.run) / "config.yaml", [f"{LR}=1e-6"])
     number = sweeps.clone_trial(folder, 0, edited)
     wait_for(lambda: sweeps.read_sweep(folder)["state"]["state"] == "finished", timeout=300)
@@ -286,6 +285,8 @@ def test_a_trial_cloned_with_an_edited_config_joins_the_running_sweep_from_its_c
     assert clone.values == {LR: 1e-6} and clone.value == pytest.approx(1e-6)  # the sweep read the clone's metric
     assert sweep["best"].number == 0
     status = launcher.read_run(clone.run)["status"]
-    assert status["forked_from"] == {"run": Path(parent.run).name, "checkpoint": str(checkpoint)}
+    # It started from a copy: the parent, saving every step and keeping two, deletes the original meanwhile.
+    checkpoint = Path(status["forked_from"]["checkpoint"])
+    assert status["forked_from"]["run"] == Path(parent.run).name and checkpoint.parent.parent == folder / "clones"
     assert status["sweep"] == {"name": "clone", "clone_of": 0} and status["state"] == "succeeded"
-    assert checkpoint_step(checkpoint) < clone.step == 6
+    assert 0 < checkpoint_step(checkpoint) < clone.step == 6

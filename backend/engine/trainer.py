@@ -186,7 +186,8 @@ class Trainer:
     def train(self) -> dict[str, float]:
         """Train to total steps; returns the last step's metrics. Always leaves a final status."""
         self.run.create()
-        self.run.write_status("running", total_steps=None, step=0, started=time.time(), error=None)
+        # Its own pid: a run submitted as a Ray job has no launcher that saw the process start.
+        self.run.write_status("running", total_steps=None, step=0, started=time.time(), error=None, pid=os.getpid())
         stop = _install_stop_handlers()
         try:
             self.setup()

@@ -125,9 +125,11 @@ def _start_ray(cfg: Config) -> None:
     if cfg.trainer.ray_address:
         import backend
 
-        # The cluster's nodes need our dependencies installed; our own package travels with the job.
+        # The cluster's nodes need our dependencies installed; our own package travels with the job (as its
+        # folder: inside a Ray job, Ray copies the runtime env, and a module object cannot be copied).
+        package = str(Path(backend.__file__).parent)
         try:
-            ray.init(address=cfg.trainer.ray_address, runtime_env={"env_vars": env, "py_modules": [backend]},
+            ray.init(address=cfg.trainer.ray_address, runtime_env={"env_vars": env, "py_modules": [package]},
                      log_to_driver=True)
         except ConnectionError as e:
             raise WorkerError(f"cannot join the Ray cluster at trainer.ray_address={cfg.trainer.ray_address}: {e}. "

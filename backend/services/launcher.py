@@ -2,9 +2,11 @@
 
 A run is `python -m backend train <run>/config.yaml --run-dir <run> --quiet`, started as a detached
 process in its own session (so closing the browser or the UI's terminal changes nothing), with its
-stdout and stderr in `<run>/logs/`. The launcher writes `config.yaml` and a `queued` status.json, then
-records the child's pid and process group; from there on the trainer owns status.json, and everything
-here reads the run directory back, so runs started from the CLI show up the same way.
+stdout and stderr in `<run>/logs/`; a run whose config names `trainer.ray_address` is submitted to that
+cluster as a Ray job instead, so it runs inside the cluster and outlives the workbench's machine. The
+launcher writes `config.yaml` and a `queued` status.json, then records the child's pid and process group
+(or the job); from there on the trainer owns status.json, and everything here reads the run directory
+back, so runs started from the CLI show up the same way.
 
 Readers never write: a run whose process died without a final status is *reported* as failed by
 `list_runs` / `read_run`, and status.json is left as the process left it.
@@ -18,6 +20,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -25,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,12 +134,19 @@ def _make_named_run_dir(root: Path, folder: str) -> RunDir:
     return RunDir(path).create()
 
 
-def _spawn(run: RunDir) -> int:
-    """Start the trainer for `run` detached, record its pid and process group; returns the pid."""
+def _spawn(run: RunDir) -> None:
+    """Start the trainer for `run`: submitted as a Ray job when its config names a cluster, else detached here."""
     cmd = [sys.executable, "-m", "backend", "train", str(run.config), "--run-dir", str(run.root), "--quiet"]
     run.logs.mkdir(parents=True, exist_ok=True)
     devices = (read_status(run.root) or {}).get("devices")
     pinned = {"CUDA_VISIBLE_DEVICES": devices} if devices is not None else {}
+    address = (_read_yaml(run.config) or {}).get("trainer", {}).get("ray_address")
+    if address:
+        job = submit_job(address, cmd, run.logs / "stdout.log", run.logs / "stderr.log",
+                         {NICE_ENV: str(RUN_NICE), **pinned}, on_error=lambda e: run.write_status(
+                             "failed", stage="failed", finished=time.time(), error=f"could not submit the run: {e}"))
+        run.write_status((read_status(run.root) or {}).get("state", "queued"), ray_job=job)
+        return
     try:
         with open(run.logs / "stdout.log", "ab") as out, open(run.logs / "stderr.log", "ab") as err:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=os.getcwd(),
@@ -154,7 +164,51 @@ def _spawn(run: RunDir) -> int:
     # Keep whatever state the child may already have written; only add who it is.
     state = (read_status(run.root) or {}).get("state", "queued")
     run.write_status(state if state in STATES else "queued", pid=proc.pid, pgid=pgid)
-    return proc.pid
+
+
+# What a job's process takes from the workbench's environment, besides what the job sets: where models are
+# cached, Hugging Face's home, and how to reach a cluster that uses token authentication.
+JOB_ENV = ("GRPO_WB_CACHE", "GRPO_WB_HOME", "HF_HOME", "RAY_AUTH_MODE", "NCCL_NVLS_ENABLE",
+           "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+
+
+def submit_job(address: str, cmd: list[str], stdout: Path, stderr: Path, env: dict[str, str],
+               on_error: Callable[[Exception], Any]) -> dict[str, str]:
+    """Submit `cmd` to the Ray cluster at `address` as a job (Ray's job submission API) and return
+    {"address", "id"}. The job's process runs on the cluster's head node with this interpreter, in this
+    working folder and with its output appended to `stdout` / `stderr`, so the head must see the same paths
+    (the workbench on the head node, or the project and the runs on storage the head shares). On failure,
+    `on_error(e)` records it and ConfigError says what to do."""
+    from ray.job_submission import JobSubmissionClient
+
+    quoted = " ".join(map(shlex.quote, cmd))
+    entrypoint = (f"cd {shlex.quote(os.getcwd())} && exec {quoted} >> {shlex.quote(str(stdout))} "
+                  f"2>> {shlex.quote(str(stderr))}")
+    env = {"PYTHONUNBUFFERED": "1", **{k: os.environ[k] for k in JOB_ENV if k in os.environ}, **env}
+    try:
+        if plain := re.fullmatch(r"([\w.-]+):(\d+)", address):
+            # Ray retries an unreachable head for about 40 s; a closed port says so at once.
+            socket.create_connection((plain[1], int(plain[2])), timeout=5).close()
+        job = JobSubmissionClient(address).submit_job(entrypoint=entrypoint, runtime_env={"env_vars": env})
+    except Exception as e:  # Ray raises ConnectionError, RuntimeError or its own errors for an unreachable head
+        on_error(e)
+        raise ConfigError([f"trainer.ray_address={address}: could not submit a Ray job there ({_one_line(str(e))}). "
+                           "The head must run Ray's dashboard (ray start --head with ray[default] installed); "
+                           "with token authentication, export RAY_AUTH_MODE=token here with the head's token in "
+                           "~/.ray/auth_token"]) from None
+    return {"address": address, "id": job}
+
+
+def stop_job(job: dict[str, str]) -> None:
+    """Ask the cluster to stop a job: Ray sends SIGTERM to its processes, then kills what is left."""
+    from ray.job_submission import JobSubmissionClient
+
+    JobSubmissionClient(job["address"]).stop_job(job["id"])
+
+
+def _one_line(text: str, n: int = 300) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= n else flat[: n - 1] + "…"
 
 
 def resume(run_dir: str | Path, *, overrides: Sequence[str] = ()) -> Path:
@@ -278,6 +332,9 @@ def stop(run_dir: str | Path, grace_s: float = STOP_GRACE_S, *, wait: bool = Tru
     if state not in ACTIVE:
         return state
     host = status.get("host")
+    job = status.get("ray_job")
+    if job and (not status.get("pid") or host != socket.gethostname()):  # not started yet, or on another node
+        return _stop_job(run, job, grace_s + JOB_STOP_S, wait)
     if host and host != socket.gethostname():
         raise ValueError(f"run {run.root.name} runs on host {host}, not here: stop it there")
     pid, pgid = status.get("pid"), status.get("pgid")
@@ -291,6 +348,29 @@ def stop(run_dir: str | Path, grace_s: float = STOP_GRACE_S, *, wait: bool = Tru
     threading.Thread(target=_finish_stop, args=(run, pid, pgid, grace_s), name=f"stop {run.root.name}",
                      daemon=True).start()
     return "stopping"
+
+
+# Ray gives a stopped job's processes 3 s after SIGTERM before it kills them (RAY_JOB_STOP_WAIT_TIME_S).
+JOB_STOP_S = 10.0
+
+
+def _stop_job(run: RunDir, job: dict[str, str], timeout_s: float, wait: bool) -> str:
+    """Stop a run that is a Ray job on another node (or not started yet) through the cluster, and wait for the
+    trainer's final status; `stopped` is recorded here if it ends without one."""
+    status = read_status(run.root) or {}
+    if not _stop_requested(status):
+        run.write_status(status.get("state", "queued"), stop_requested={"pid": status.get("pid"), "at": time.time()})
+    stop_job(job)
+    if not wait:
+        return "stopping"
+    deadline = time.monotonic() + timeout_s
+    while (read_status(run.root) or {}).get("state") in ACTIVE and time.monotonic() < deadline:
+        time.sleep(0.1)
+    status = read_status(run.root) or {}
+    if status.get("state") in ACTIVE:
+        status = run.write_status("stopped", stage="stopped", finished=time.time(), error=None,
+                                  note="stopped: its Ray job was stopped before the trainer wrote its final status")
+    return status["state"]
 
 
 def _finish_stop(run: RunDir, pid: int | None, pgid: int | None, grace_s: float) -> str:

@@ -347,18 +347,25 @@ def request_stop(folder: str | Path) -> None:
 _processes: dict[int, subprocess.Popen] = {}
 
 
-def start_sweep(folder: str | Path) -> int:
+def start_sweep(folder: str | Path) -> None:
     """Run the sweep in a background process of its own session (`python -m backend sweep --resume`), as the
-    launcher runs a trainer: closing the browser or restarting the workbench leaves it going. Its output goes
-    to `<folder>/sweep.log`; returns its pid."""
+    launcher runs a trainer: closing the browser or restarting the workbench leaves it going; with
+    `trainer.ray_address` in the base config, as a Ray job of that cluster (and its trials as jobs too). Its
+    output goes to `<folder>/sweep.log`."""
     folder = Path(folder)
     cmd = [sys.executable, "-m", "backend", "sweep", "--resume", str(folder), "--quiet"]
+    address = (yaml.safe_load((folder / "base.yaml").read_text()) or {}).get("trainer", {}).get("ray_address")
+    if address:
+        job = launcher.submit_job(address, cmd, folder / "sweep.log", folder / "sweep.log", {},
+                                  on_error=lambda e: _write_state(folder, state="failed", error=str(e)))
+        # No pid or host until the job's process writes its own: until then the sweep reads as starting.
+        _write_state(folder, state="starting", pid=None, host=None, ray_job=job)
+        return
     with open(folder / "sweep.log", "ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 cwd=os.getcwd(), start_new_session=True, close_fds=True)
     _processes[proc.pid] = proc
     _write_state(folder, state="starting", pid=proc.pid, host=socket.gethostname())
-    return proc.pid
 
 
 def run_sweep(folder: str | Path, *, poll_s: float = 1.0, on_change: Callable[[dict], None] | None = None) -> str:
@@ -625,10 +632,6 @@ def clone_trial(folder: str | Path, number: int, cfg: Config) -> int:
     parent = next((t for t in sweep["trials"] if t.number == number and t.run), None)
     if parent is None:
         raise SweepError(f"sweep {folder.name} has no trial #{number} with a run")
-    checkpoint = latest_checkpoint(parent.run)
-    if checkpoint is None:
-        raise SweepError(f"trial #{number} has no checkpoint yet to clone from: its run saves one every "
-                         f"trainer.save_freq steps")
     spec = sweep["spec"]
     edits = {p.key: get_value(cfg, p.key) for p in spec.params if get_value(cfg, p.key) != parent.values.get(p.key)}
     study = _study(folder, spec)
@@ -647,6 +650,7 @@ def clone_trial(folder: str | Path, number: int, cfg: Config) -> int:
                              f"{', '.join(f'{u:.1f}' for u in used)} GiB held): stop a trial first")
         devices = str(gpu)
         attrs.update(gpu=gpu, predicted_gib=round(need, 2))
+    checkpoint = _copy_latest_checkpoint(number, Path(parent.run), folder / "clones")
     run = launcher.fork(parent.run, checkpoint, cfg, launcher.fork_name(parent.run, checkpoint),
                         sweep={"name": folder.name, "clone_of": number}, devices=devices)
     # Added whole, run included: a running trial without one would look, to the sweep, like one its process
@@ -656,6 +660,29 @@ def clone_trial(folder: str | Path, number: int, cfg: Config) -> int:
         state=TrialState.RUNNING, params=dict(parent_trial.params), distributions=dict(parent_trial.distributions),
         user_attrs={"run": str(run), **attrs}))
     return study.get_trials(deepcopy=False)[-1].number
+
+
+def _copy_latest_checkpoint(number: int, run: Path, clones: Path, attempts: int = 3) -> Path:
+    """A copy of the run's newest checkpoint under `clones`: the parent goes on training and deletes older
+    checkpoints as it saves newer ones (trainer.max_checkpoints_to_keep), which a clone still loading from
+    the original lost. One deleted while it is copied is given up for the newer one."""
+    for _ in range(attempts):
+        checkpoint = latest_checkpoint(run)
+        if checkpoint is None:
+            raise SweepError(f"trial #{number} has no checkpoint yet to clone from: its run saves one every "
+                             f"trainer.save_freq steps")
+        copy = clones / f"{run.name}-{checkpoint.name}" / checkpoint.name
+        if copy.is_dir():
+            return copy
+        try:
+            shutil.copytree(checkpoint, copy.with_name(copy.name + ".partial"))
+        except (FileNotFoundError, shutil.Error):
+            shutil.rmtree(copy.with_name(copy.name + ".partial"), ignore_errors=True)
+            continue
+        copy.with_name(copy.name + ".partial").rename(copy)
+        return copy
+    raise SweepError(f"trial #{number}'s checkpoints were replaced faster than they could be copied: "
+                     "try again, or raise its trainer.save_freq")
 
 
 # ---- reading a sweep back ----
