@@ -62,7 +62,9 @@ def save_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
 
 
 def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, rank: int) -> None:
-    """Restore this rank's shards; the controller has checked that as many ranks wrote them (checks.resume_problems)."""
+    """Restore this rank's shards; the controller has checked that as many ranks wrote them (checks.resume_problems).
+    `optimizer` and `scheduler` are built from the current config, whose learning rate, betas and weight decay
+    are kept."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -73,6 +75,13 @@ def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     extra = torch.load(folder / f"extra_state_rank_{rank}.pt", weights_only=True)
     scheduler.load_state_dict(extra["scheduler"])
     torch.set_rng_state(extra["rng"])
+    # The optimizer as configured now wins over the checkpoint's settings: a fork with an edited learning rate
+    # trains at that rate from its first step (a plain resume has the same settings, so nothing changes).
+    lr = optimizer.defaults["lr"]
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group.update(initial_lr=lr, lr=lr * factor(scheduler.last_epoch), betas=optimizer.defaults["betas"],
+                     weight_decay=optimizer.defaults["weight_decay"])
 
 
 # ---- anywhere (no process group) ----

@@ -419,13 +419,6 @@ class ActorRolloutRefWorker(RankWorker):
 
     def load_checkpoint(self, folder: str) -> None:
         checkpoint.load_sharded(Path(folder), self.actor, self.optimizer, self.scheduler, self.rank)
-        # The config's optimizer settings win over the checkpoint's: a fork with an edited learning rate trains
-        # at that rate from its first step (a plain resume has the same settings, so nothing changes).
-        opt = self.cfg.actor_rollout_ref.actor.optim
-        self.scheduler.base_lrs = [opt.lr] * len(self.optimizer.param_groups)
-        for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas, strict=True):
-            group.update(initial_lr=opt.lr, lr=opt.lr * factor(self.scheduler.last_epoch), betas=tuple(opt.betas),
-                         weight_decay=opt.weight_decay)
 
     def export(self, folder: str) -> None:
         """The current weights, gathered from every rank, as a Hugging Face folder written by rank 0."""

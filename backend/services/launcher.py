@@ -192,7 +192,7 @@ def submit_job(address: str, cmd: list[str], stdout: Path, stderr: Path, env: di
         job = JobSubmissionClient(address).submit_job(entrypoint=entrypoint, runtime_env={"env_vars": env})
     except Exception as e:  # Ray raises ConnectionError, RuntimeError or its own errors for an unreachable head
         on_error(e)
-        raise ConfigError([f"trainer.ray_address={address}: could not submit a Ray job there ({_one_line(str(e))}). "
+        raise ConfigError([f"trainer.ray_address={address}: could not submit a Ray job there ({one_line(str(e))}). "
                            "The head must run Ray's dashboard (ray start --head with ray[default] installed); "
                            "with token authentication, export RAY_AUTH_MODE=token here with the head's token in "
                            "~/.ray/auth_token"]) from None
@@ -206,7 +206,8 @@ def stop_job(job: dict[str, str]) -> None:
     JobSubmissionClient(job["address"]).stop_job(job["id"])
 
 
-def _one_line(text: str, n: int = 300) -> str:
+def one_line(text: str, n: int = 300) -> str:
+    """`text` on one line, cut to `n` characters: an error inside a message or a table cell."""
     flat = " ".join(text.split())
     return flat if len(flat) <= n else flat[: n - 1] + "…"
 

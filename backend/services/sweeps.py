@@ -591,13 +591,8 @@ def _retry_alone(study: optuna.Study, frozen: optuna.trial.FrozenTrial, error: s
     miss = (f"the planner predicted {predicted:.1f} GiB for it" if predicted is not None
             else "the planner was not asked (not one GPU)")
     others = f" beside trial(s) {', '.join(f'#{n}' for n in beside)}" if beside else ""
-    _end_trial(study, frozen, "failed", f"out of memory{others} ({miss}); retried alone. {_one_line(error)}")
+    _end_trial(study, frozen, "failed", f"out of memory{others} ({miss}); retried alone. {launcher.one_line(error)}")
     study.enqueue_trial(dict(frozen.params), user_attrs={"alone": True, "retry_of": frozen.number})
-
-
-def _one_line(text: str, n: int = 300) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= n else flat[: n - 1] + "…"
 
 
 def _pruned_reason(spec: SweepSpec, step: int, value: float) -> str:
