@@ -89,3 +89,21 @@ def test_an_engine_that_frees_after_generating_drops_its_stale_weights_until_it_
     ours.load_weights(model)
     assert torch.equal(ours.generate(prompts, params).responses, first)
     assert torch.equal(first, hf.generate(prompts, params).responses)
+
+
+def test_after_a_sync_that_left_a_layer_behind_the_engine_names_that_layers_tensors():
+    model, _, ours, _ = _engines("tiny-qwen3", batch_size=4, free_after_generate=False)
+    assert ours.stale_tensors(model) == []
+    before = {k: v.clone() for k, v in vars(ours.layers[1]).items() if isinstance(v, torch.Tensor)}
+    with torch.no_grad():  # an update, smaller than a typical step's
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-4)
+    ours.load_weights(model)
+    assert ours.stale_tensors(model) == []
+    for k, v in before.items():  # the sync as if it had skipped layer 1
+        getattr(ours.layers[1], k).copy_(v)
+    stale = ours.stale_tensors(model)
+    assert stale == [f"model.layers.1.{name}" for name in (
+        "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        "self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.o_proj.weight",
+        "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]

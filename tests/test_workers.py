@@ -22,7 +22,8 @@ from backend.engine.log_probs import (
 )
 from backend.engine.rank import COMPILED_WIDTH_MULTIPLE, MicroBatches
 from backend.engine.workers import ActorRolloutRefWorker
-from backend.rollout.base import left_pad
+from backend.rollout.base import SamplingParams, StaleWeightsError, left_pad
+from backend.rollout.static_cache import StaticCacheEngine
 
 from .conftest import tiny_overrides
 
@@ -401,3 +402,29 @@ def test_without_an_entropy_bonus_the_entropy_carries_no_gradient_and_bf16_logit
     assert logits.grad.dtype == torch.bfloat16
     # d/dz sum_t log softmax(z_t)[target_t] sums to 0 over the vocabulary at each position
     torch.testing.assert_close(logits.grad.float().sum(-1), torch.zeros(2, 4), atol=2e-2, rtol=0)
+
+
+def test_a_weight_sync_that_skips_a_layer_fails_generation_naming_the_engine_and_the_tensors(
+        sample_sets, tiny_tokenizer, monkeypatch):
+    cfg = load_config(None, tiny_overrides(sample_sets, **{"actor_rollout_ref.rollout.name": "workbench"}))
+    worker = one_rank_worker(cfg)
+    sync, first = StaticCacheEngine.load_weights, {}
+
+    def sync_skipping_layer_0(engine, model):
+        """Layer 0 stays as the first sync left it (the engine frees its copy after generating, so the
+        weights of the step before are kept here)."""
+        sync(engine, model)
+        for k, v in vars(engine.layers[0]).items():
+            if isinstance(v, torch.Tensor):
+                v.copy_(first.setdefault(k, v.clone()))
+
+    monkeypatch.setattr(StaticCacheEngine, "load_weights", sync_skipping_layer_0)
+    prompts = [tiny_tokenizer("1 + 2 =")["input_ids"]]
+    params = SamplingParams(n=2, max_new_tokens=4, seed=1)
+    assert worker.generate(prompts, params, first_row=0)["responses"].shape[0] == 2  # a first copy is whole
+    with torch.no_grad():
+        for p in worker.actor.parameters():
+            p.add_(torch.ones_like(p) * 1e-2)
+    with pytest.raises(StaleWeightsError, match=r"after the weight sync the workbench engine's copy of 11 of the "
+                                                r"actor's tensors differs from the actor's: model\.layers\.0\."):
+        worker.generate(prompts, params, first_row=2)

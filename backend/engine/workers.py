@@ -36,7 +36,7 @@ from backend.engine.rank import (
     to_device,
 )
 from backend.rollout import static_cache
-from backend.rollout.base import HFGenerateEngine, RolloutBatch, SamplingParams, eos_ids_of
+from backend.rollout.base import HFGenerateEngine, RolloutBatch, SamplingParams, StaleWeightsError, eos_ids_of
 from backend.rollout.episodes import Episode, EpisodeSetup, play_episodes, run_episodes
 from backend.rollout.vllm_engine import VLLMEngine
 
@@ -153,7 +153,7 @@ class ActorRolloutRefWorker(RankWorker):
                 # The engine keeps its own copy: gather, copy in, and free the gathered weights before it
                 # decodes (vLLM wakes its KV cache only then).
                 with distributed.unsharded(self.actor):
-                    self.rollout.load_weights(lora.unwrap(self.actor))
+                    self._sync_engine()
                 batch = self.rollout.generate(prompts, params, first_row=first_row, progress=report)
             else:
                 with distributed.unsharded(self.actor):
@@ -180,7 +180,7 @@ class ActorRolloutRefWorker(RankWorker):
         with self._phase("gen"):
             if isinstance(self.rollout, static_cache.StaticCacheEngine):
                 with distributed.unsharded(self.actor):
-                    self.rollout.load_weights(lora.unwrap(self.actor))
+                    self._sync_engine()
                 episodes = play_episodes(self.rollout, *args)
             elif isinstance(self.rollout, VLLMEngine):
                 with self.rollout.awake():
@@ -189,6 +189,17 @@ class ActorRolloutRefWorker(RankWorker):
                 with distributed.unsharded(self.actor):
                     episodes = run_episodes(self.rollout.generate, *args)
         return episodes, timings.get("timing_s/tools", 0.0)
+
+    def _sync_engine(self) -> None:
+        """Copy the gathered actor into the engine; for the workbench engine, then check that every tensor
+        arrived (a fingerprint of each, compared on the device), so a sync that left a layer behind fails the
+        step instead of sampling from stale weights."""
+        model = lora.unwrap(self.actor)
+        self.rollout.load_weights(model)
+        if isinstance(self.rollout, static_cache.StaticCacheEngine) and (stale := self.rollout.stale_tensors(model)):
+            shown = ", ".join(stale[:4]) + (f" and {len(stale) - 4} more" if len(stale) > 4 else "")
+            raise StaleWeightsError(f"after the weight sync the workbench engine's copy of {len(stale)} of the "
+                                    f"actor's tensors differs from the actor's: {shown}")
 
     def _vllm_turn(self, prompts: list[list[int]], params: SamplingParams, row_ids: list[int]) -> RolloutBatch:
         """One lockstep turn on vLLM, pushing the weights before the first (vLLM stays awake for the rest)."""

@@ -21,6 +21,11 @@ import torch
 from backend.core.models import amp_context
 
 
+class StaleWeightsError(RuntimeError):
+    """A rollout engine's copy of the weights differs from the actor's after a weight sync: it would generate
+    from weights other than those being trained."""
+
+
 @dataclass
 class SamplingParams:
     n: int = 1

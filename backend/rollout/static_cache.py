@@ -110,6 +110,32 @@ def _layer_sources(layer) -> dict[str, list[torch.Tensor] | None]:
     }
 
 
+# The Hugging Face names of each `_Layer` field's source tensors, in `_layer_sources`'s order.
+_SOURCE_NAMES = {
+    "ln1": ["input_layernorm.weight"],
+    "qkv": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+    "qkv_bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
+    "q_norm": ["self_attn.q_norm.weight"],
+    "k_norm": ["self_attn.k_norm.weight"],
+    "o": ["self_attn.o_proj.weight"],
+    "o_bias": ["self_attn.o_proj.bias"],
+    "ln2": ["post_attention_layernorm.weight"],
+    "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    "down": ["mlp.down_proj.weight"],
+}
+
+
+def _fingerprint(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Two float64 moments of a tensor's values in `dtype` (their sum and their sum of squares): equal for equal
+    values, and after an update that changed any value, different but for a coincidence. Taken in slices, so
+    a large matrix (an 8B model's head) needs no float64 copy of itself."""
+    total = torch.zeros(2, dtype=torch.float64, device=t.device)
+    for part in t.detach().reshape(-1).split(1 << 24):
+        x = part.to(dtype).double()
+        total += torch.stack([x.sum(), (x * x).sum()])
+    return total
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as Hugging Face's Llama computes it: normalise in fp32, scale in the input dtype."""
     xf = x.float()
@@ -198,6 +224,34 @@ class StaticCacheEngine:
         self.embed = self._fill(self.embed, [base.embed_tokens.weight])
         self.norm = self._fill(self.norm, [base.norm.weight])
         self.lm_head = self.embed if self.tied else self._fill(self.lm_head, [model.lm_head.weight])
+
+    @torch.no_grad()
+    def stale_tensors(self, model) -> list[str]:
+        """The names of the actor's weights whose copy in the engine differs from them, as the engine stores
+        them (its dtype): empty right after a whole `load_weights`. One fingerprint per tensor (see
+        `_fingerprint`) on the device, compared in one transfer, so the check costs a read of the weights."""
+        base = model.model
+        names, ours, theirs = [], [], []
+
+        def compare(name: str, dst: torch.Tensor | None, parts: list[torch.Tensor] | None, part_names: list[str]):
+            if dst is None or parts is None:
+                return
+            start = 0
+            for part, part_name in zip(parts, part_names, strict=True):
+                names.append(f"{name}{part_name}")
+                ours.append(_fingerprint(dst[start:start + part.shape[0]], self.dtype))
+                theirs.append(_fingerprint(part, self.dtype).to(self.device))
+                start += part.shape[0]
+
+        for i, layer in enumerate(base.layers):
+            for k, parts in _layer_sources(layer).items():
+                compare(f"model.layers.{i}.", getattr(self.layers[i], k), parts, _SOURCE_NAMES[k])
+        compare("model.", self.embed, [base.embed_tokens.weight], ["embed_tokens.weight"])
+        compare("model.", self.norm, [base.norm.weight], ["norm.weight"])
+        if not self.tied:
+            compare("", self.lm_head, [model.lm_head.weight], ["lm_head.weight"])
+        differs = (torch.stack(ours) != torch.stack(theirs)).any(dim=1).tolist()
+        return [name for name, d in zip(names, differs, strict=True) if d]
 
     def _fill(self, dst: torch.Tensor | None, parts: list[torch.Tensor] | None) -> torch.Tensor | None:
         """`parts` stacked along dim 0 into `dst` (a new buffer in the engine's device and dtype if None)."""
