@@ -166,6 +166,8 @@ def _spawn(run: RunDir) -> None:
     run.write_status(state if state in STATES else "queued", pid=proc.pid, pgid=pgid)
 
 
+# How long a submission waits for a head's job agent to come up (seconds after `ray start` on a busy machine).
+JOB_AGENT_WAIT_S = 60.0
 # What a job's process takes from the workbench's environment, besides what the job sets: where models are
 # cached, Hugging Face's home, and how to reach a cluster that uses token authentication.
 JOB_ENV = ("GRPO_WB_CACHE", "GRPO_WB_HOME", "HF_HOME", "RAY_AUTH_MODE", "NCCL_NVLS_ENABLE",
@@ -189,7 +191,18 @@ def submit_job(address: str, cmd: list[str], stdout: Path, stderr: Path, env: di
         if plain := re.fullmatch(r"([\w.-]+):(\d+)", address):
             # Ray retries an unreachable head for about 40 s; a closed port says so at once.
             socket.create_connection((plain[1], int(plain[2])), timeout=5).close()
-        job = JobSubmissionClient(address).submit_job(entrypoint=entrypoint, runtime_env={"env_vars": env})
+        client = JobSubmissionClient(address)
+        deadline = time.monotonic() + JOB_AGENT_WAIT_S
+        while True:
+            try:
+                job = client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": env})
+                break
+            except RuntimeError as e:
+                # A head that has just started answers before its job agent does ("No available agent to
+                # submit job, please try again later").
+                if "try again later" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
     except Exception as e:  # Ray raises ConnectionError, RuntimeError or its own errors for an unreachable head
         on_error(e)
         raise ConfigError([f"trainer.ray_address={address}: could not submit a Ray job there ({one_line(str(e))}). "
