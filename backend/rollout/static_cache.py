@@ -127,7 +127,7 @@ _SOURCE_NAMES = {
 
 # Values of each tensor the weight check compares: about this many, evenly strided through it. A sync that
 # skipped or misplaced a tensor leaves all of its values stale, so a sample shows it, at a read of a few
-# thousand values a tensor instead of all of them (a whole read of SmolLM2 took 0.37 s on a 2-core CPU).
+# thousand values a tensor instead of all of them (on a small CPU, a whole read costs a noticeable part of a step).
 FINGERPRINT_VALUES = 4096
 
 
