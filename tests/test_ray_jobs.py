@@ -31,8 +31,11 @@ def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("head")
     port = free_port()
     ray_cli = Path(sys.executable).parent / "ray"
+    # Ports of its own for the dashboard and the job agent: the agent's default (52365) may be held by the
+    # private Ray of a run another test left behind, and then the head takes no jobs.
     head = subprocess.Popen([str(ray_cli), "start", "--head", f"--port={port}", f"--dashboard-port={free_port()}",
-                             "--include-dashboard=true", "--num-cpus=4", "--block", "--disable-usage-stats"],
+                             f"--dashboard-agent-listen-port={free_port()}", "--include-dashboard=true",
+                             "--num-cpus=4", "--block", "--disable-usage-stats"],
                             stdout=open(logs / "head.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
                             start_new_session=True,
                             # Without token authentication: Ray reads RAY_AUTH_MODE once, when this test process

@@ -167,7 +167,7 @@ def _spawn(run: RunDir) -> None:
 
 
 # How long a submission waits for a head's job agent to come up (seconds after `ray start` on a busy machine).
-JOB_AGENT_WAIT_S = 60.0
+JOB_AGENT_WAIT_S = 20.0
 # What a job's process takes from the workbench's environment, besides what the job sets: where models are
 # cached, Hugging Face's home, and how to reach a cluster that uses token authentication.
 JOB_ENV = ("GRPO_WB_CACHE", "GRPO_WB_HOME", "HF_HOME", "RAY_AUTH_MODE", "NCCL_NVLS_ENABLE",
