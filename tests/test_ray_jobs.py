@@ -56,7 +56,8 @@ def job_status(job: dict) -> JobStatus:
 
 def test_a_run_on_a_cluster_is_its_ray_job_with_status_and_logs_in_the_run_directory(cluster, sample_sets,
                                                                                        tmp_path):
-    cfg = load_config(None, tiny_overrides(sample_sets, **{"trainer.ray_address": cluster}))
+    cfg = load_config(None, tiny_overrides(sample_sets, **{"trainer.ray_address": cluster,
+                                                           "trainer.total_training_steps": 4}))
     run = launcher.launch(cfg, name="job", runs_root=tmp_path)
     job = launcher.read_run(run)["status"]["ray_job"]
     assert job["address"] == cluster
@@ -64,11 +65,11 @@ def test_a_run_on_a_cluster_is_its_ray_job_with_status_and_logs_in_the_run_direc
     trainer = psutil.Process(launcher.read_run(run)["status"]["pid"])
     # The cluster runs it: the trainer's parent is Ray's job supervisor, not this process (the launcher).
     assert "JobSupervisor" in " ".join(trainer.parent().cmdline())
-    assert job_status(job) == JobStatus.RUNNING
-    wait_for(lambda: job_status(job) in ENDED, timeout=240)
+    assert job_status(job) in (JobStatus.RUNNING, JobStatus.SUCCEEDED)  # the cluster knows it as its job
+    wait_for(lambda: job_status(job) in ENDED, timeout=300)
     assert job_status(job) == JobStatus.SUCCEEDED
     info = launcher.read_run(run)
-    assert info["status"]["state"] == "succeeded" and info["status"]["step"] == 2
+    assert info["status"]["state"] == "succeeded" and info["status"]["step"] == 4
     assert "Connecting to existing Ray cluster at address" in (run / "logs" / "stderr.log").read_text()
     assert launcher.list_runs(tmp_path)[0].state == "succeeded"
 
@@ -79,9 +80,9 @@ def test_a_ray_job_run_stopped_before_its_process_started_ends_stopped_and_so_do
                                                            "trainer.total_training_steps": 50}))
     run = launcher.launch(cfg, name="stopped-job", runs_root=tmp_path)
     job = launcher.read_run(run)["status"]["ray_job"]
-    assert launcher.stop(run) == "stopped"  # no pid yet: the cluster stops the job
-    wait_for(lambda: job_status(job) in ENDED, timeout=60)
-    assert job_status(job) != JobStatus.SUCCEEDED
+    # No pid yet: the cluster stops the job (on a busy machine the trainer may have started, and stops itself).
+    assert launcher.stop(run) == "stopped"
+    wait_for(lambda: job_status(job) in ENDED, timeout=120)
     time.sleep(2)  # a trainer that started after all would write over the stop
     assert launcher.read_run(run)["status"]["state"] == "stopped"
 
@@ -94,11 +95,11 @@ def test_a_sweep_on_a_cluster_is_a_ray_job_whose_trials_are_jobs_too(cluster, sa
     sweeps.start_sweep(folder)
     job = sweeps.read_state(folder)["ray_job"]
     assert sweeps.read_sweep(folder)["state"]["state"] in ("starting", "running")
-    wait_for(lambda: sweeps.read_sweep(folder)["state"]["state"] == "finished", timeout=300)
+    wait_for(lambda: sweeps.read_sweep(folder)["state"]["state"] == "finished", timeout=480)
     (trial,) = sweeps.read_sweep(folder)["trials"]
     assert trial.state == "complete" and trial.value == pytest.approx(1e-3)
     for each in (launcher.read_run(trial.run)["status"]["ray_job"], job):  # the trial's job, the sweep's
-        wait_for(lambda j=each: job_status(j) in ENDED, timeout=60)
+        wait_for(lambda j=each: job_status(j) in ENDED, timeout=120)
         assert job_status(each) == JobStatus.SUCCEEDED
 
 
