@@ -44,29 +44,50 @@ def cluster(tmp_path_factory):
                                  "RAY_AUTH_MODE": "disabled"})
     try:
         wait_for(lambda: "Ray runtime started" in (logs / "head.log").read_text(), timeout=120)
+        Head.logs = Path(os.path.realpath("/tmp/ray/session_latest")) / "logs"  # this head's, as it just started
         yield f"127.0.0.1:{port}"
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)
 
 
+class Head:
+    logs: Path | None = None
+
+
 def job_status(job: dict) -> JobStatus:
     return JobSubmissionClient(job["address"]).get_job_status(job["id"])
 
 
+def wait_for_job(predicate, job: dict, timeout: float) -> None:
+    """wait_for, and when it times out, what the cluster says of the job and what its agents logged."""
+    try:
+        wait_for(predicate, timeout=timeout)
+    except AssertionError:
+        info = JobSubmissionClient(job["address"]).get_job_info(job["id"])
+        tails = [f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-8:])
+                 for pattern in ("runtime_env_agent.log", "job-driver-*.log", "raylet.err", "gcs_server.err")
+                 for f in sorted((Head.logs or Path("/nonexistent")).glob(pattern))]
+        raise AssertionError(f"timed out after {timeout:.0f} s; job {info.status}: {info.message}\n"
+                             + "\n".join(tails)) from None
+
+
 def test_a_run_on_a_cluster_is_its_ray_job_with_status_and_logs_in_the_run_directory(cluster, sample_sets,
-                                                                                       tmp_path):
+                                                                                       tmp_path, monkeypatch):
+    # What Ray leaves in a process that once started a Ray of its own (a test's run, here): the job must still
+    # run under the cluster's authentication, not the workbench's.
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
     cfg = load_config(None, tiny_overrides(sample_sets, **{"trainer.ray_address": cluster,
                                                            "trainer.total_training_steps": 4}))
     run = launcher.launch(cfg, name="job", runs_root=tmp_path)
     job = launcher.read_run(run)["status"]["ray_job"]
     assert job["address"] == cluster
-    wait_for(lambda: launcher.read_run(run)["status"].get("pid"), timeout=120)
+    wait_for_job(lambda: launcher.read_run(run)["status"].get("pid"), job, timeout=120)
     trainer = psutil.Process(launcher.read_run(run)["status"]["pid"])
     # The cluster runs it: the trainer's parent is Ray's job supervisor, not this process (the launcher).
     assert "JobSupervisor" in " ".join(trainer.parent().cmdline())
     assert job_status(job) in (JobStatus.RUNNING, JobStatus.SUCCEEDED)  # the cluster knows it as its job
-    wait_for(lambda: job_status(job) in ENDED, timeout=300)
+    wait_for_job(lambda: job_status(job) in ENDED, job, timeout=300)
     assert job_status(job) == JobStatus.SUCCEEDED
     info = launcher.read_run(run)
     assert info["status"]["state"] == "succeeded" and info["status"]["step"] == 4
@@ -82,7 +103,7 @@ def test_a_ray_job_run_stopped_before_its_process_started_ends_stopped_and_so_do
     job = launcher.read_run(run)["status"]["ray_job"]
     # No pid yet: the cluster stops the job (on a busy machine the trainer may have started, and stops itself).
     assert launcher.stop(run) == "stopped"
-    wait_for(lambda: job_status(job) in ENDED, timeout=120)
+    wait_for_job(lambda: job_status(job) in ENDED, job, timeout=120)
     time.sleep(2)  # a trainer that started after all would write over the stop
     assert launcher.read_run(run)["status"]["state"] == "stopped"
 
@@ -95,7 +116,7 @@ def test_a_sweep_on_a_cluster_is_a_ray_job_whose_trials_are_jobs_too(cluster, sa
     sweeps.start_sweep(folder)
     job = sweeps.read_state(folder)["ray_job"]
     assert sweeps.read_sweep(folder)["state"]["state"] in ("starting", "running")
-    wait_for(lambda: sweeps.read_sweep(folder)["state"]["state"] == "finished", timeout=480)
+    wait_for_job(lambda: sweeps.read_sweep(folder)["state"]["state"] == "finished", job, timeout=480)
     (trial,) = sweeps.read_sweep(folder)["trials"]
     assert trial.state == "complete" and trial.value == pytest.approx(1e-3)
     for each in (launcher.read_run(trial.run)["status"]["ray_job"], job):  # the trial's job, the sweep's

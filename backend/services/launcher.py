@@ -169,9 +169,11 @@ def _spawn(run: RunDir) -> None:
 # How long a submission waits for a head's job agent to come up (seconds after `ray start` on a busy machine).
 JOB_AGENT_WAIT_S = 20.0
 # What a job's process takes from the workbench's environment, besides what the job sets: where models are
-# cached, Hugging Face's home, and how to reach a cluster that uses token authentication.
-JOB_ENV = ("GRPO_WB_CACHE", "GRPO_WB_HOME", "HF_HOME", "RAY_AUTH_MODE", "NCCL_NVLS_ENABLE",
-           "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+# cached and Hugging Face's home. Not RAY_AUTH_MODE: the job runs inside the cluster, with the cluster's own
+# authentication; the workbench's (which Ray sets to token in any process that started a Ray of its own)
+# would make the job's processes speak a mode the cluster does not, and the job never start.
+JOB_ENV = ("GRPO_WB_CACHE", "GRPO_WB_HOME", "HF_HOME", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+           "NVSHMEM_DISABLE_NVLS")
 
 
 def submit_job(address: str, cmd: list[str], stdout: Path, stderr: Path, env: dict[str, str],
