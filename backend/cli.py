@@ -187,6 +187,32 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- replay ----
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """A dumped step's scoring and update again in this process; exit 1 when a value differs from the run's."""
+    import pdb
+
+    from backend.engine.replay import replay
+
+    _quiet_transformers()
+    run = pdb.Pdb().runcall if args.pdb else (lambda f, *a, **k: f(*a, **k))
+    if args.pdb:
+        print("pdb: set breakpoints (b backend/engine/workers.py:LINE, or in your reward function), then c")
+    result = run(replay, args.dump, args.device, in_this_thread=args.pdb)
+    print(f"step {result.step} replayed on {result.device}, one process, without Ray")
+    width = max([len(key) for key, *_ in result.rows()] + [6])
+    print(f"{'metric':<{width}}  {'run':>14}  {'replay':>14}  equal")
+    for key, logged, replayed, ok in result.rows():
+        print(f"{key:<{width}}  {logged:>14.8g}  {replayed:>14.8g}  {'yes' if ok else 'NO'}")
+    if result.scores is None:
+        print(f"rewards: not scored again ({result.not_rescored})")
+    else:
+        print(f"rewards: {result.scores[0]} of {result.scores[1]} responses score as they did in the run")
+    print("equal within tolerance" if result.equal() else "DIFFERENT from what the run logged")
+    return 0 if result.equal() else 1
+
+
 # ---- plan ----
 
 class _LateOverridesParser(argparse.ArgumentParser):
@@ -543,6 +569,19 @@ def build_parser() -> argparse.ArgumentParser:
                                                                  "different lengths over the same steps)")
     pt.set_defaults(func=cmd_plot)
 
+    rp = sub.add_parser("replay", help="run a dumped step's update again in one process, without Ray (--pdb to "
+                                       "step through it)",
+                        description="Replay runs/<id>/dumps/step_N (written for each step in trainer.dump_steps, or "
+                                    "by the Runs page's 'Dump the next step'): the reward scoring of its responses "
+                                    "and its actor update from the weights it started from, on one rank, and prints "
+                                    "the loss, KL, clip fraction and grad norm next to the run's. Exit code 0: "
+                                    "equal within tolerance, 1: different.")
+    rp.add_argument("dump", help="runs/<id>/dumps/step_N")
+    rp.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                    help="where to run it (equal values need the device the run used)")
+    rp.add_argument("--pdb", action="store_true", help="start under pdb, rewards scored in this thread")
+    rp.set_defaults(func=cmd_replay)
+
     from backend.services.planner import GPUS
 
     pl = sub.add_parser("plan", help="will it fit? peak GPU memory per phase and step time of a config, before launch",
@@ -626,6 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from backend.core.data import DataError
     from backend.core.models import ModelError
+    from backend.engine.replay import ReplayError
     from backend.rewards.registry import RewardError
     from backend.services.interop import InteropError
     from backend.services.plotting import PlotError
@@ -636,7 +676,8 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         return args.func(args)
-    except (ConfigError, DataError, InteropError, ModelError, PlotError, RecipeError, RewardError) as e:
+    except (ConfigError, DataError, InteropError, ModelError, PlotError, RecipeError, ReplayError,
+            RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ from page_support import current_config_text
 
 from backend.core import workspace
 from backend.core.config import ConfigError, config_from_yaml_text
+from backend.core.runs import DUMP_REQUEST, list_dumps
 from backend.services.compare import list_evaluations
 from backend.services.launcher import (
     delete,
@@ -22,6 +23,7 @@ from backend.services.launcher import (
     list_runs,
     log_tail,
     read_run,
+    request_dump,
     resume,
     resume_steps,
     stage_info,
@@ -304,6 +306,21 @@ with c4, st.popover("Fork", disabled=not selected.checkpoints):
                 st.success(f"Forked into {new.name}")
             except (ConfigError, ValueError) as e:
                 st.error(str(e))
+
+
+with st.expander("Replay a step in one process"):
+    st.caption("A dump holds what one step's actor update consumed: its weights and optimizer, the batch, rewards, "
+               "log-probs and advantages. `python -m backend replay` runs that update again in a plain Python "
+               "process, without Ray, and prints its loss, KL, clip fraction and grad norm next to the run's; with "
+               "`--pdb`, breakpoints in our code or your reward function stop there. trainer.dump_steps dumps "
+               "chosen steps from the start.")
+    asked = (run_dir / DUMP_REQUEST).exists()
+    st.button("Dump the next step", key="run_dump_next", disabled=not active or asked, on_click=request_dump,
+              args=(run_dir,))
+    if asked and active:
+        st.info("Asked: the next step saves its update into dumps/ as it ends.")
+    for dump in list_dumps(run_dir):
+        st.code(f"python -m backend replay {dump} --pdb", language="bash")
 
 
 @st.fragment(run_every=REFRESH_S)

@@ -155,3 +155,27 @@ def test_a_multi_turn_run_charts_its_tool_use_and_reports_failed_calls_with_the_
     [info] = [i.value for i in at.info if "tool calls" in i.value]
     assert info.startswith("Step 2: tool calls: 1 timed out, 2 were not valid calls; 1 episode(s) ended by an "
                            "environment error") and "division by zero" in info
+
+
+def test_dump_the_next_step_asks_a_running_run_and_its_dumps_are_listed_with_the_replay_command(home):
+    import json
+    import os
+    import time
+
+    run_dir = home / "runs" / "20260101-000000-live"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "dumps" / "step_2").mkdir(parents=True)
+    (run_dir / "dumps" / "step_2" / "logged.json").write_text('{"step": 2}')
+    (run_dir / "dumps" / ".tmp_step_3").mkdir()  # being written: not listed
+    (run_dir / "config.yaml").write_text("trainer: {}\n")
+    (run_dir / "status.json").write_text(json.dumps({
+        "state": "running", "pid": os.getpid(), "host": os.uname().nodename, "step": 3, "total_steps": 10,
+        "stage": "generating", "stage_started": time.time(), "heartbeat": time.time()}))
+    at = page(home).run()
+    assert [c.value for c in at.code if "backend replay" in c.value] == [
+        f"python -m backend replay {run_dir / 'dumps' / 'step_2'} --pdb"]
+    at.button(key="run_dump_next").click().run()
+    assert not at.exception
+    assert (run_dir / "dump_next").exists()  # what the trainer takes at its next step
+    assert at.button(key="run_dump_next").disabled
+    assert any("the next step saves its update" in i.value for i in at.info)

@@ -437,6 +437,8 @@ class TrainerConfig:
     ray_address: str = _f("", "Ray cluster to join (host:6379, or auto for the one `ray start` made on this "
                           "machine); empty starts a private Ray in the training process.")
     critic_warmup: int = _f(0, "Steps at the start that train only the critic (algorithm.adv_estimator=gae).", min=0)
+    dump_steps: list[int] = _f([], "Steps whose actor update is saved, inputs and weights, to dumps/step_N for "
+                               "`python -m backend replay` (one process, no Ray, --pdb to step through).")
     debug: DebugConfig = _section(DebugConfig)
 
 

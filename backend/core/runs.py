@@ -7,6 +7,7 @@
     runs/<run_id>/logs/                         stdout and stderr of the run
     runs/<run_id>/checkpoints/step_N/           everything needed to resume
     runs/<run_id>/export/                       a plain Hugging Face model folder
+    runs/<run_id>/dumps/step_N/                 a step's update inputs, for replay (backend.engine.replay)
 
 Writers replace files atomically (write a temporary file, then rename), so a reader, or a run killed
 mid-write, never sees half a file where a whole one was.
@@ -35,6 +36,9 @@ STATES = ("queued", "running", "succeeded", "failed", "stopped")
 # Set by whoever starts a trainer in the background (the workbench's launcher): the nice value the run
 # takes once its workers are up, so it yields the CPU to interactive work.
 NICE_ENV = "GRPO_WB_RUN_NICE"
+# A file anyone may create in a run directory: the trainer saves its next step's update for replay
+# (backend.engine.replay) and removes the file.
+DUMP_REQUEST = "dump_next"
 _CKPT = re.compile(r"^step_(\d+)$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -79,6 +83,7 @@ class RunDir:
         self.logs = self.root / "logs"
         self.checkpoints = self.root / "checkpoints"
         self.export = self.root / "export"
+        self.dump_request = self.root / DUMP_REQUEST
 
     def create(self) -> RunDir:
         for d in (self.root, self.rollouts, self.logs, self.checkpoints):
@@ -185,6 +190,13 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     ckpts = list_checkpoints(run_dir)
     return ckpts[-1] if ckpts else None
+
+
+def list_dumps(run_dir: str | Path) -> list[Path]:
+    """A run's whole step dumps (dumps/step_N, for replay), by step; one being written is not listed."""
+    folder = Path(run_dir) / "dumps"
+    found = [p for p in folder.glob("step_*") if (p / "logged.json").is_file()] if folder.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step_")))
 
 
 # ---- where a model folder came from ----

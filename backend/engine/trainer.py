@@ -39,11 +39,12 @@ from backend.engine.checks import check_or_raise, resume_problems
 from backend.engine.evaluation import evaluate
 from backend.engine.inference import Generator
 from backend.engine.rank import MarkedRows, freeze_heap
+from backend.engine.replay import StepDump
 from backend.engine.step_log import TableWriter, rollout_rows, token_rows
 from backend.engine.step_metrics import batch_metrics, stats, summary_line, timer
 from backend.engine.worker_group import WorkerError, WorkerGroup, start_ray
 from backend.rewards.registry import load_custom_reward
-from backend.rewards.scoring import ScoredBatch, concat_scored, from_scores, score_batch, weighted_sum
+from backend.rewards.scoring import ScoredBatch, combine, concat_scored, from_scores, reward_terms
 from backend.rollout.base import RolloutBatch, SamplingParams, concat_rows
 from backend.rollout.episodes import (
     Episode,
@@ -287,6 +288,7 @@ class Trainer:
         # Sampling depends only on (seed, step), so a resumed run draws what an uninterrupted one would.
         seed_everything(self._seed(step))
         epoch = self.sampler.epoch
+        dump = self._step_dump(step)  # this step's update inputs, saved for `python -m backend replay`
         with timer("step", timings):
             # ---- rollout: n responses per prompt; the rule scorers start on a thread ----
             rollout = self._rollout(step, timings)
@@ -316,6 +318,8 @@ class Trainer:
             scores, token_level_rewards, reward_metrics = self._rewards(scored, tensors, response_mask,
                                                                         len(rollout.items))
             baselines = self._greedy_baselines(rollout.items, step, timings)[group_ids] if self.remax else None
+            if dump is not None:
+                dump.save_rewards([rollout.items[i] for i in group_ids.tolist()], texts, scored.scores)
 
             # ---- advantages ----
             with timer("adv", timings):
@@ -326,7 +330,9 @@ class Trainer:
                     lam=a.lam, norm_adv_by_std=a.norm_adv_by_std_in_grpo)
 
             # ---- update ----
-            update_metrics, marked = self._update(step, tensors, timings)
+            update_metrics, marked = self._update(step, tensors, timings, dump)
+            if dump is not None:
+                dump.commit(step, update_metrics)
 
         # ---- metrics and tables ----
         metrics = {"step": step, "epoch": epoch, "time": time.time(), **update_metrics, **reward_metrics,
@@ -454,11 +460,20 @@ class Trainer:
             metrics.update(kl_metrics)
         return scores, rewards, metrics
 
-    def _update(self, step: int, tensors: dict[str, torch.Tensor], timings: dict[str, float]
-                ) -> tuple[dict[str, float], MarkedRows | None]:
+    def _step_dump(self, step: int) -> StepDump | None:
+        """A dump of this step when trainer.dump_steps lists it or someone asked for the next one."""
+        asked = self.run.dump_request.exists()
+        if step not in self.cfg.trainer.dump_steps and not asked:
+            return None
+        self.run.dump_request.unlink(missing_ok=True)
+        return StepDump(self.run.root, step, self.cfg)
+
+    def _update(self, step: int, tensors: dict[str, torch.Tensor], timings: dict[str, float],
+                dump: StepDump | None = None) -> tuple[dict[str, float], MarkedRows | None]:
         """PPO's updates: the critic's when there is one, then the actor's, unless the critic is still warming
         up (its first trainer.critic_warmup steps fit the values and leave the policy). The actor's update
-        also returns what the token view needs of its first rows."""
+        also returns what the token view needs of its first rows. With `dump`, what the actor's update is
+        about to consume (its weights and optimizer included) is saved first."""
         a, metrics = self.cfg.actor_rollout_ref.actor, {}
         shape = {"mini_rows": a.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n, "epochs": a.ppo_epochs,
                  "shuffle": a.shuffle}
@@ -469,6 +484,10 @@ class Trainer:
                 tensors["values"], tensors["returns"], tensors["response_mask"]).item()
             if step <= self.cfg.trainer.critic_warmup:
                 return metrics, None
+        if dump is not None:
+            self.stage(f"saving step {step}'s update for replay", force=True)
+            self.workers.save_checkpoint(dump.checkpoint)
+            dump.save_update(tensors, world_size=self.workers.world_size, total_steps=self.total_steps, **shape)
         k = min(self.cfg.trainer.token_log_max, self.cfg.trainer.rollout_log_max, len(tensors["responses"]))
         marks = {"token_row": token_row_marks(len(tensors["responses"]), k)} if k else {}
         with timer("update_actor", timings):
@@ -520,20 +539,13 @@ class Trainer:
         """Each response's score: the rule scorer (data_source's, or custom_reward_function) times
         reward.rule_weight, plus each of reward.functions and the reward model times its weight, plus an
         episode's environment reward parts; an episode whose environment failed scores 0."""
-        r = self.cfg.reward
-        args = ([row["data_source"] for row in rows], texts, [row["ground_truth"] for row in rows],
-                [row["extra_info"] for row in rows])
-        rule = (score_batch(*args, custom_fn=self.custom_fn, gsm8k_scorer=r.gsm8k_scorer, timeout_s=r.timeout_s)
-                if r.rule_weight else from_scores([0.0] * len(texts)))
-        terms = [("rule", r.rule_weight, rule)]
-        for (name, fn), weight in zip(self.reward_fns, r.weights or [1.0] * len(self.reward_fns), strict=True):
-            terms.append((name, weight, score_batch(*args, custom_fn=fn, timeout_s=r.timeout_s)))
+        terms = reward_terms(self.cfg.reward, rows, texts, self.custom_fn, self.reward_fns)
         if self.cfg.reward_model.enable:
             values = self.workers.score_with_reward_model([row["messages"] for row in rows], texts)
             terms.append(("reward_model", self.cfg.reward_model.weight, from_scores(values)))
         if episodes is not None:
             terms.append(("environment", 1.0, from_scores([sum(e.reward.values()) for e in episodes])))
-        scored = weighted_sum(terms) if len(terms) > 1 or r.rule_weight != 1 else rule
+        scored = combine(terms)
         if episodes is not None:
             scored.scores = [0.0 if e.error else s for e, s in zip(episodes, scored.scores, strict=True)]
         return scored

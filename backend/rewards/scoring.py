@@ -221,6 +221,7 @@ def score_batch(
     custom_fn: Callable | None = None,
     gsm8k_scorer: str = "verl",
     timeout_s: float = 10.0,
+    in_this_thread: bool = False,
 ) -> ScoredBatch:
     """Score each response with its data_source's scorer (or `custom_fn` for every row, as verl does).
 
@@ -233,6 +234,8 @@ def score_batch(
     without a numeric "score"), or runs past `timeout_s` seconds scores 0.0, and the batch goes on.
     A hung Python function cannot be killed: its thread is abandoned and runs on in the background.
     If as many rows hang as there are worker threads, the rows not yet started score 0.0 as timeouts.
+    `in_this_thread` scores the rows one after another in the calling thread, without timeouts: for a
+    debugger (`python -m backend replay --pdb`), whose breakpoints stop only the thread it traces.
     An unknown data_source (without `custom_fn`) raises `RewardError` before anything is scored.
 
     Metrics: reward/errors (rows that raised), reward/timeouts, reward/invalid (non-number returns),
@@ -286,7 +289,8 @@ def score_batch(
             f"timeout_s={timeout_s:g}"
         ))
 
-    outcomes = _run_rows(n, run_one, timeout_s, on_timeout, on_skip)
+    outcomes = ([run_one(i) for i in range(n)] if in_this_thread
+                else _run_rows(n, run_one, timeout_s, on_timeout, on_skip))
 
     counts = {kind: sum(o.kind == kind for o in outcomes) for kind in ("error", "timeout", "invalid")}
     metrics: dict[str, float] = {
@@ -312,3 +316,27 @@ def score_batch(
         metrics=metrics,
         first_error=first_error,
     )
+
+
+def reward_terms(reward, rows: list[dict], texts: list[str], custom_fn: Callable | None,
+                 functions: list[tuple[str, Callable]], in_this_thread: bool = False
+                 ) -> list[tuple[str, float, ScoredBatch]]:
+    """The rule scorer's batch (data_source's scorer, or `custom_fn`) and one batch per reward function, each
+    with its weight from `reward` (the config's reward section): the terms of a step's score that need no
+    model and no environment. `rows` hold data_source, ground_truth and extra_info."""
+    args = ([row["data_source"] for row in rows], texts, [row["ground_truth"] for row in rows],
+            [row["extra_info"] for row in rows])
+    rule = (score_batch(*args, custom_fn=custom_fn, gsm8k_scorer=reward.gsm8k_scorer, timeout_s=reward.timeout_s,
+                        in_this_thread=in_this_thread)
+            if reward.rule_weight else from_scores([0.0] * len(texts)))
+    terms = [("rule", reward.rule_weight, rule)]
+    for (name, fn), weight in zip(functions, reward.weights or [1.0] * len(functions), strict=True):
+        terms.append((name, weight, score_batch(*args, custom_fn=fn, timeout_s=reward.timeout_s,
+                                                in_this_thread=in_this_thread)))
+    return terms
+
+
+def combine(terms: list[tuple[str, float, ScoredBatch]]) -> ScoredBatch:
+    """A step's scores from its terms (reward_terms', then a reward model's and an environment's): the rule
+    scorer's batch as it is when it is the only term at weight 1, else their weighted sum."""
+    return weighted_sum(terms) if len(terms) > 1 or terms[0][1] != 1 else terms[0][2]

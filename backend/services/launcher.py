@@ -221,6 +221,12 @@ def stop_job(job: dict[str, str]) -> None:
     JobSubmissionClient(job["address"]).stop_job(job["id"])
 
 
+def request_dump(run_dir: str | Path) -> None:
+    """Ask a running run to save its next step's update for `python -m backend replay` (it takes the request
+    as that step starts and writes dumps/step_N when the step ends)."""
+    RunDir(Path(run_dir)).dump_request.touch()
+
+
 def one_line(text: str, n: int = 300) -> str:
     """`text` on one line, cut to `n` characters: an error inside a message or a table cell."""
     flat = " ".join(text.split())
