@@ -248,6 +248,29 @@ def live_status() -> None:
         if status.get("traceback"):
             with st.expander("Traceback"):
                 st.code(status["traceback"], language="text")
+    if status.get("diagnosis"):
+        diagnosis_panel(status)
+
+
+def diagnosis_panel(status: dict) -> None:
+    """What the trainer found when a call to its workers ran far too long: where each rank was, and every
+    process's Python stacks (written to the run directory when it happened)."""
+    d = status["diagnosis"]
+    st.markdown("**Diagnosis**")
+    head = f"At step {d.get('step', 0)}, {d.get('call')} ran {d.get('seconds')} s"
+    if d.get("final"):
+        st.error(f"{head} and was still running at trainer.hang_timeout_s: the run failed with this diagnosis.")
+    elif d.get("done_after_s") is not None:
+        st.info(f"{head}; it returned after {d['done_after_s']} s.")
+    elif status.get("state") in ("queued", "running"):
+        st.warning(f"{head} and is still running: it may hang. Where each rank is:")
+    else:
+        st.info(head + ".")
+    st.markdown("\n".join(f"- {line}" for line in d.get("ranks", [])))
+    stacks = run_dir / d.get("file", "")
+    if stacks.is_file():
+        with st.expander("Python stacks of every process"):
+            st.code(stacks.read_text(), language="text")
 
 
 live_status()

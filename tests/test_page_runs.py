@@ -179,3 +179,34 @@ def test_dump_the_next_step_asks_a_running_run_and_its_dumps_are_listed_with_the
     assert (run_dir / "dump_next").exists()  # what the trainer takes at its next step
     assert at.button(key="run_dump_next").disabled
     assert any("the next step saves its update" in i.value for i in at.info)
+
+
+def test_a_stalled_call_shows_a_diagnosis_panel_with_each_rank_and_the_stacks(home):
+    import json
+    import os
+    import time
+
+    run_dir = home / "runs" / "20260101-000000-stalled"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "diagnosis").mkdir()
+    (run_dir / "diagnosis" / "hang_step_3.txt").write_text("=== controller (pid 1 on vm)\n--- thread MainThread\n")
+    (run_dir / "config.yaml").write_text("trainer: {}\n")
+    ranks = ["rank 0 (pid 11 on vm): at log_probs.py:276 in response_log_probs, inside torch.distributed's "
+             "all_gather_single", "rank 1 (pid 12 on vm): no answer within 10 s"]
+    diagnosis = {"kind": "hang", "call": "reference log-probs", "step": 3, "seconds": 312, "ranks": ranks,
+                 "final": False, "file": "diagnosis/hang_step_3.txt"}
+    status = {"state": "running", "pid": os.getpid(), "host": os.uname().nodename, "step": 3, "total_steps": 10,
+              "stage": "computing reference log-probs", "stage_started": time.time(), "heartbeat": time.time(),
+              "diagnosis": diagnosis}
+    (run_dir / "status.json").write_text(json.dumps(status))
+    at = page(home).run()
+    assert not at.exception
+    assert any("reference log-probs ran 312 s and is still running" in w.value for w in at.warning)
+    assert any("inside torch.distributed's all_gather_single" in m.value and "rank 1 (pid 12 on vm): no answer"
+               in m.value for m in at.markdown)
+    assert any(c.value.startswith("=== controller") for c in at.code)
+
+    (run_dir / "status.json").write_text(json.dumps({**status, "state": "failed", "error": "WorkerError: hung",
+                                                     "diagnosis": {**diagnosis, "final": True}}))
+    at = page(home).run()
+    assert any("the run failed with this diagnosis" in e.value for e in at.error)

@@ -423,7 +423,11 @@ class TrainerConfig:
     resume_from_path: str = _f("", "Checkpoint folder to start from when resume_mode=resume_path.")
     max_checkpoints_to_keep: int = _f(2, "Keep the newest N checkpoints (0 = all).", min=0)
     export_at_end: bool = _f(True, "Write export/ (a plain Hugging Face folder) when training ends.")
-    stall_warning_s: float = _f(300.0, "The dashboard warns when a run reports no progress for this long.", gt=0)
+    stall_warning_s: float = _f(300.0, "The dashboard warns when a run reports no progress for this long; a call to "
+                                "the workers running this long (or five times its recent median, if over a minute) "
+                                "has every process's Python stacks written to diagnosis/.", gt=0)
+    hang_timeout_s: float = _f(1800.0, "A call to the workers still running after this long fails the run with that "
+                               "diagnosis instead of hanging (0 = wait forever).", min=0)
     token_log_max: int = _f(8, "Responses per step whose per-token log-probs, KL, entropy, advantage and clipping "
                             "are stored for the token view (0 = none).", min=0)
     rollout_log_max: int = _f(512, "Responses per step written to rollouts/ (0 = none).", min=0)

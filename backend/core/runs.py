@@ -8,6 +8,7 @@
     runs/<run_id>/checkpoints/step_N/           everything needed to resume
     runs/<run_id>/export/                       a plain Hugging Face model folder
     runs/<run_id>/dumps/step_N/                 a step's update inputs, for replay (backend.engine.replay)
+    runs/<run_id>/diagnosis/                    every process's Python stacks when a call to the workers stalled
 
 Writers replace files atomically (write a temporary file, then rename), so a reader, or a run killed
 mid-write, never sees half a file where a whole one was.
@@ -84,6 +85,7 @@ class RunDir:
         self.checkpoints = self.root / "checkpoints"
         self.export = self.root / "export"
         self.dump_request = self.root / DUMP_REQUEST
+        self.diagnosis = self.root / "diagnosis"
 
     def create(self) -> RunDir:
         for d in (self.root, self.rollouts, self.logs, self.checkpoints):

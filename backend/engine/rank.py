@@ -10,6 +10,10 @@ import gc
 import math
 import os
 import socket
+import sys
+import threading
+import traceback
+from pathlib import Path
 
 import ray
 import torch
@@ -188,11 +192,46 @@ class RankWorker:
     def progress(self) -> tuple:
         return self._progress
 
+    @ray.method(concurrency_group="monitor")
+    def stacks(self) -> dict:
+        """Where every Python thread of this process is now, for a hang's diagnosis: answered on the monitor
+        thread while a call runs (a collective waits with the interpreter's lock released)."""
+        text, at = python_stacks()
+        # Not where(): a CPU rank that is still being built (its start-up call) has no rank or device yet.
+        return {"pid": os.getpid(), "host": socket.gethostname(), "progress": list(self._progress), "stacks": text,
+                "at": at}
+
     def _report(self, *state) -> None:
         self._progress = state
 
     def freeze_heap(self) -> int:
         return freeze_heap()
+
+
+def python_stacks(skip_current: bool = True) -> tuple[str, str]:
+    """Every thread's Python stack in this process, innermost call last: threads that run our code in full,
+    the others (Ray's, torch's) by name; and in a line, where the innermost of ours is (`collective` names the
+    torch.distributed call it waits in). `skip_current` leaves out the thread asking."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    ours, others, where = [], [], ""
+    for ident, frame in sys._current_frames().items():
+        if skip_current and ident == threading.get_ident():
+            continue
+        summary = traceback.extract_stack(frame)
+        if ident == threading.get_ident():
+            summary = summary[:-1]  # this function
+        mine = [f for f in summary if f"{os.sep}backend{os.sep}" in f.filename]
+        if not mine:
+            others.append(str(names.get(ident, ident)))
+            continue
+        ours.append(f"--- thread {names.get(ident, ident)}\n" + "".join(traceback.format_list(summary)))
+        inner = mine[-1]
+        where = f"{Path(inner.filename).name}:{inner.lineno} in {inner.name}"
+        collective = [f for f in summary if f"torch{os.sep}distributed" in f.filename]
+        if collective:
+            where += f", inside torch.distributed's {collective[-1].name}"
+    text = "\n".join(ours) + (f"\n--- other threads: {', '.join(others)}\n" if others else "")
+    return text, where
 
 
 def node_ip() -> str:

@@ -34,7 +34,7 @@ from backend.algos.losses import AdaptiveKLController, FixedKLController, apply_
 from backend.core import checkpoint, data, trackers
 from backend.core.config import Config, ConfigError, batch_plan, to_yaml, uses_critic, validate_config
 from backend.core.models import load_tokenizer
-from backend.core.runs import NICE_ENV, RunDir, latest_checkpoint, new_run_dir, read_status
+from backend.core.runs import NICE_ENV, RunDir, atomic_write_text, latest_checkpoint, new_run_dir, read_status
 from backend.engine.checks import check_or_raise, resume_problems
 from backend.engine.evaluation import evaluate
 from backend.engine.inference import Generator
@@ -42,7 +42,7 @@ from backend.engine.rank import MarkedRows, freeze_heap
 from backend.engine.replay import StepDump
 from backend.engine.step_log import TableWriter, rollout_rows, token_rows
 from backend.engine.step_metrics import batch_metrics, stats, summary_line, timer
-from backend.engine.worker_group import WorkerError, WorkerGroup, start_ray
+from backend.engine.worker_group import Stall, WorkerError, WorkerGroup, start_ray
 from backend.rewards.registry import load_custom_reward
 from backend.rewards.scoring import ScoredBatch, combine, concat_scored, from_scores, reward_terms
 from backend.rollout.base import RolloutBatch, SamplingParams, concat_rows
@@ -149,7 +149,8 @@ class Trainer:
         # The watch thread gets the run directory, not the trainer: holding the trainer would keep a dropped
         # one (and its workers) alive.
         self.workers = WorkerGroup(cfg, self.total_steps, pad_id=self.tokenizer.pad_token_id,
-                                   on_head_lost=functools.partial(_record_head_lost, self.run))
+                                   on_head_lost=functools.partial(_record_head_lost, self.run),
+                                   on_stall=functools.partial(_record_stall, self.run))
         self.run.write_status("running", workers=self.workers.where)
         if os.environ.get(NICE_ENV):
             yield_cpu(int(os.environ[NICE_ENV]))
@@ -778,6 +779,24 @@ def yield_cpu(nice: int) -> None:
             time.sleep(0.05)
         except OSError:  # no autogroup scheduling on this kernel
             return
+
+
+def _record_stall(run: RunDir, stall: Stall) -> None:
+    """A call to the workers that runs far too long: every process's Python stacks into diagnosis/, what each
+    rank is doing into status.json (the Runs page's Diagnosis panel) and the log."""
+    status = read_status(run.root) or {}
+    if stall.done:
+        if status.get("diagnosis"):
+            run.write_status("running", diagnosis={**status["diagnosis"], "done_after_s": round(stall.seconds)})
+        return
+    step = status.get("step", 0)  # the step being taken (0: before the first)
+    run.diagnosis.mkdir(exist_ok=True)
+    path = run.diagnosis / f"hang_step_{step}.txt"
+    atomic_write_text(path, f"{stall.summary()}\n\n{stall.stacks}")
+    run.write_status("running", diagnosis={
+        "kind": "hang", "call": stall.what, "step": step, "seconds": round(stall.seconds), "ranks": stall.ranks,
+        "final": stall.final, "file": str(path.relative_to(run.root)), "at": time.time()})
+    print(f"warning: {stall.summary()} (every process's stacks: {path})", flush=True)
 
 
 def _record_head_lost(run: RunDir, message: str) -> None:

@@ -11,15 +11,19 @@ together and gathers the results back in order; a rank that dies or raises fails
 from __future__ import annotations
 
 import _thread
+import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
 import os
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -55,6 +59,28 @@ _PLACEMENT_TIMEOUT_S = 120.0
 
 class WorkerError(RuntimeError):
     """A worker raised, or its process died; the message names the rank, its process and the call."""
+
+
+# How long the stacks of a rank may take to come back: a rank that does not answer is stopped, or stuck in
+# native code that holds the interpreter's lock.
+_STACKS_WAIT_S = 10.0
+# A call is suspect once it runs this many times its recent median (and over a minute), or trainer.stall_warning_s.
+_STALL_FACTOR, _STALL_FLOOR_S = 5.0, 60.0
+
+
+@dataclass
+class Stall:
+    """A call to the ranks that has run far longer than it should: where each process is."""
+
+    what: str  # the call, as the group names it ("the actor update")
+    seconds: float
+    ranks: list[str]  # a line per rank: where it is, or that it has returned or did not answer
+    stacks: str  # every process's Python stacks, the controller's first
+    final: bool = False  # trainer.hang_timeout_s has passed: the run fails with this diagnosis
+    done: bool = False  # the call has returned after all, `seconds` after it began
+
+    def summary(self) -> str:
+        return f"{self.what} has run {self.seconds:.0f} s: " + "; ".join(self.ranks)
 
 
 class HeadWatch:
@@ -221,14 +247,18 @@ class WorkerGroup:
     """`trainer.nnodes x trainer.n_gpus_per_node` ranks, placed together, one torch.distributed group."""
 
     def __init__(self, cfg: Config, total_steps: int, pad_id: int,
-                 on_head_lost: Callable[[str], None] | None = None):
+                 on_head_lost: Callable[[str], None] | None = None, on_stall: Callable[[Stall], None] | None = None):
         """on_head_lost(message) runs on the watch thread the moment the Ray head is found gone, before
         the main thread is interrupted: a main thread blocked inside a Ray call may never see the
-        interrupt before Ray ends the process, so what must be recorded is recorded there."""
+        interrupt before Ray ends the process, so what must be recorded is recorded there.
+        on_stall(stall) runs when a call has run past trainer.stall_warning_s (or five times its recent
+        median, once that is over a minute), and again, final, before trainer.hang_timeout_s fails it."""
         from backend.engine.workers import ActorRolloutRefWorker
 
         start_ray(cfg)
         self.cfg = cfg
+        self.on_stall = on_stall
+        self._durations: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=20))
         self.pad_id = pad_id  # the controller's tokenizer's, for re-padding what the ranks return
         self.world_size = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
         self.device = worker_device(cfg)
@@ -323,8 +353,19 @@ class WorkerGroup:
         index = {ref: r for r, ref in enumerate(refs)}
         pending = list(refs)
         last = None
+        began, stalled = time.monotonic(), None
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
+            elapsed = time.monotonic() - began
+            if pending and stalled is None and elapsed > self._stall_after(what):
+                stalled = self._report_stall(what, elapsed)
+            timeout = self.cfg.trainer.hang_timeout_s
+            if pending and timeout and elapsed > timeout:
+                stall = self._report_stall(what, elapsed, final=True)
+                self.shutdown()
+                raise WorkerError(f"{what} hung: still running after trainer.hang_timeout_s={timeout:g} s. "
+                                  f"{'; '.join(stall.ranks)}. Every process's Python stacks are in the run's "
+                                  "diagnosis/ folder")
             for ref in done:
                 try:
                     ray.get(ref)
@@ -348,7 +389,50 @@ class WorkerGroup:
                 if state and state[0] == what and state != last:
                     progress(*state[1:])
                     last = state
+        self._durations[what].append(time.monotonic() - began)
+        if stalled is not None and self.on_stall is not None:
+            self.on_stall(dataclasses.replace(stalled, seconds=time.monotonic() - began, done=True))
         return ray.get(refs)
+
+    def _stall_after(self, what: str) -> float:
+        """Seconds after which a call is suspect: trainer.stall_warning_s, or sooner, five times its recent
+        median where that is over a minute (a step's phase that takes 20 s is suspect after 100)."""
+        limit = self.cfg.trainer.stall_warning_s
+        seen = sorted(self._durations[what])
+        if seen:
+            limit = min(limit, max(_STALL_FLOOR_S, _STALL_FACTOR * seen[len(seen) // 2]))
+        return limit
+
+    def _report_stall(self, what: str, elapsed: float, final: bool = False) -> Stall:
+        """Collect where every rank is and pass it to on_stall; the controller's own stack first. A rank whose
+        threads run none of our code is idle: it has returned from the call, and the others are awaited."""
+        from backend.engine.rank import python_stacks
+
+        text, _ = python_stacks(skip_current=False)
+        stacks = [f"=== controller (pid {os.getpid()} on {socket.gethostname()})\n{text}"]
+        ranks = []
+        named = [(self._who(r).removeprefix("worker "), w) for r, w in enumerate(self.workers)]
+        named += [(f"critic rank {r}", c) for r, c in enumerate(self.critics)]
+        refs = [w.stacks.remote() for _, w in named]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_STACKS_WAIT_S)
+        for (name, _), ref in zip(named, refs, strict=True):
+            if ref not in ready:
+                ranks.append(f"{name}: no answer within {_STACKS_WAIT_S:.0f} s (its process is stopped, or stuck "
+                             "in native code holding Python's lock)")
+                continue
+            try:
+                got = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                ranks.append(f"{name}: gone ({type(e).__name__})")
+                continue
+            # rank 0 reports (call, numbers...); a report left from an earlier call names another
+            progress = f", progress {tuple(got['progress'][1:])}" if got["progress"][:1] == [what] else ""
+            ranks.append(f"{name}: " + (f"at {got['at']}{progress}" if got["at"] else "idle (returned)"))
+            stacks.append(f"=== {name}\n{got['stacks']}")
+        stall = Stall(what, elapsed, ranks, "\n".join(stacks), final)
+        if self.on_stall is not None:
+            self.on_stall(stall)
+        return stall
 
     @staticmethod
     def _death_among(refs: list, index: dict) -> tuple[int, Exception] | None:

@@ -49,6 +49,8 @@ OWN_KEYS = frozenset({
     "reward.gsm8k_scorer",                            # verl scores GSM8K one way (ours: reward.gsm8k_scorer=verl)
     "trainer.export_at_end",
     "trainer.stall_warning_s",
+    "trainer.hang_timeout_s",
+    "trainer.dump_steps",
     "trainer.token_log_max",
     "actor_rollout_ref.actor.activation_memory_budget",  # a torch.compile setting verl does not expose
     "trainer.rollout_log_max",
