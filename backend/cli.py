@@ -86,7 +86,7 @@ def _train(cfg, run_dir: str | None, *, quiet: bool) -> tuple[int, Path]:
     """Train `cfg` with the console teed into the run's logs/train.log; (exit code, run directory)."""
     _quiet_transformers()
     from backend.engine.trainer import RunStopped, Trainer
-    from backend.engine.worker_group import WorkerError
+    from backend.engine.worker_group import WorkerError, WorkerOutOfMemory
 
     trainer = Trainer(cfg, run_dir, show_progress=not quiet)
     trainer.run.create()
@@ -98,16 +98,37 @@ def _train(cfg, run_dir: str | None, *, quiet: bool) -> tuple[int, Path]:
     except RunStopped:
         print("run stopped; continue it with trainer.resume_mode=auto", file=sys.stderr)
         _end_stopped_process()
-    except WorkerError:
+    except WorkerError as e:
         # Printed here, not by Ray's exception hook: that hook reports the error to the Ray head first, and
         # with the head gone it blocked until Ray ended the process 60 s later, printing nothing.
         traceback.print_exc()
+        if isinstance(e, WorkerOutOfMemory):
+            advise_after_out_of_memory(trainer.run, cfg, e)
         return 1, trainer.run.root
     finally:
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         log.close()
     print(f"done: {trainer.run.root}")
     return 0, trainer.run.root
+
+
+def advise_after_out_of_memory(run, cfg, error) -> dict:
+    """Add the planner's view of a rank that ran out of memory (its prediction for that phase, what would fit)
+    to the diagnosis the trainer recorded in status.json, and print it."""
+    from backend.core.runs import read_status
+    from backend.services.planner import after_out_of_memory
+
+    try:
+        advice = after_out_of_memory(cfg, error.memory, str(error))
+    except Exception as planner_error:  # noqa: BLE001 - the failure is recorded already; this only adds to it
+        advice = {"note": f"the planner could not say more ({type(planner_error).__name__}: {planner_error})"}
+    diagnosis = {**((read_status(run.root) or {}).get("diagnosis") or {}), **advice}
+    run.write_status("failed", diagnosis=diagnosis)
+    print(f"out of memory in {diagnosis.get('phase') or diagnosis.get('call')}: {advice.get('note', '')}",
+          file=sys.stderr)
+    for line in advice.get("suggestions", []):
+        print(f"  would fit: {line}", file=sys.stderr)
+    return diagnosis
 
 
 def _end_stopped_process() -> NoReturn:

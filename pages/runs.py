@@ -253,10 +253,19 @@ def live_status() -> None:
 
 
 def diagnosis_panel(status: dict) -> None:
-    """What the trainer found when a call to its workers ran far too long: where each rank was, and every
-    process's Python stacks (written to the run directory when it happened)."""
+    """What the trainer found when a rank ran out of memory (the phase, what it held, what the planner says
+    would fit) or a call to its workers ran far too long (where each rank was, every process's Python stacks)."""
     d = status["diagnosis"]
     st.markdown("**Diagnosis**")
+    if d.get("kind") == "out of memory":
+        held = (f": {d['peak_reserved_gib']:.2f} GiB reserved at the phase's peak, of {d['device_gib']:.2f} GiB"
+                if "peak_reserved_gib" in d else "")
+        st.error(f"{d.get('rank')} ran out of memory during {d.get('call')} (phase {d.get('phase')}){held}.")
+        if d.get("note"):
+            st.markdown(d["note"][0].upper() + d["note"][1:] + ".")
+        if d.get("suggestions"):
+            st.markdown("Changes the planner says would fit:\n" + "\n".join(f"- {s}" for s in d["suggestions"]))
+        return
     head = f"At step {d.get('step', 0)}, {d.get('call')} ran {d.get('seconds')} s"
     if d.get("final"):
         st.error(f"{head} and was still running at trainer.hang_timeout_s: the run failed with this diagnosis.")

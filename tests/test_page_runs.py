@@ -210,3 +210,26 @@ def test_a_stalled_call_shows_a_diagnosis_panel_with_each_rank_and_the_stacks(ho
                                                      "diagnosis": {**diagnosis, "final": True}}))
     at = page(home).run()
     assert any("the run failed with this diagnosis" in e.value for e in at.error)
+
+
+def test_a_run_that_ran_out_of_memory_shows_the_rank_phase_what_it_held_and_what_would_fit(home):
+    import json
+    import time
+
+    run_dir = home / "runs" / "20260101-000000-oom"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("trainer: {}\n")
+    diagnosis = {"kind": "out of memory", "call": "the actor update", "rank": "worker rank 0 (pid 8 on node-a)",
+                 "phase": "update", "device": "cuda", "peak_reserved_gib": 78.6, "device_gib": 79.1,
+                 "note": "the planner predicted 3.09 GiB reserved for update; the rank held 78.60 GiB",
+                 "suggestions": ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64: saves 1.94 GiB (1.15 GiB, "
+                                 "fits); more micro-batches, the same update"]}
+    (run_dir / "status.json").write_text(json.dumps({
+        "state": "failed", "step": 0, "heartbeat": time.time(), "error": "WorkerOutOfMemory: ...",
+        "diagnosis": diagnosis}))
+    at = page(home).run()
+    assert not at.exception
+    assert any("worker rank 0 (pid 8 on node-a) ran out of memory during the actor update (phase update): 78.60 GiB"
+               in e.value for e in at.error)
+    assert any("ppo_micro_batch_size_per_gpu=64: saves 1.94 GiB" in m.value for m in at.markdown)
+    assert any(m.value.startswith("The planner predicted 3.09 GiB") for m in at.markdown)

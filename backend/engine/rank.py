@@ -132,12 +132,19 @@ class PeakMemory:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        if self.device.type != "cuda":
+        """Records the phase's peaks; an allocation failure inside it leaves with `memory`: the phase and what
+        the device held (held_at_failure)."""
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        try:
             yield
-            return
-        torch.cuda.reset_peak_memory_stats()
-        yield
-        self.peaks[name] = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30)
+        except BaseException as e:
+            if out_of_memory(e):
+                e.memory = held_at_failure(name, self.device)
+            raise
+        if on_gpu:
+            self.peaks[name] = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30)
 
     def take(self, overall: bool) -> dict[str, float]:
         """perf/max_memory_{allocated,reserved}_gb/<phase> since the last call, and with `overall` the
@@ -151,6 +158,23 @@ class PeakMemory:
             out["perf/max_memory_reserved_gb"] = max(r for _, r in self.peaks.values())
         self.peaks = {}
         return out
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is an allocation failure: CUDA's, Python's, or the CPU allocator's (a RuntimeError in torch)."""
+    return isinstance(e, torch.OutOfMemoryError | MemoryError) or "can't allocate memory" in str(e)
+
+
+def held_at_failure(phase: str, device: torch.device) -> dict:
+    """What a phase that ran out of memory held: on a GPU its peaks since the phase began (the failed
+    allocation not included) and the device's total and free memory, in GiB."""
+    held: dict = {"phase": phase, "device": device.type}
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        held.update(gpu=torch.cuda.get_device_name(), peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+                    peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30, device_gib=total / 2**30,
+                    free_gib=free / 2**30)
+    return held
 
 
 def lr_lambda(warmup: int, total: int, style: str, min_ratio: float):

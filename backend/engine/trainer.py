@@ -42,7 +42,7 @@ from backend.engine.rank import MarkedRows, freeze_heap
 from backend.engine.replay import StepDump
 from backend.engine.step_log import TableWriter, rollout_rows, token_rows
 from backend.engine.step_metrics import batch_metrics, stats, summary_line, timer
-from backend.engine.worker_group import Stall, WorkerError, WorkerGroup, start_ray
+from backend.engine.worker_group import Stall, WorkerError, WorkerGroup, WorkerOutOfMemory, start_ray
 from backend.rewards.registry import load_custom_reward
 from backend.rewards.scoring import ScoredBatch, combine, concat_scored, from_scores, reward_terms
 from backend.rollout.base import RolloutBatch, SamplingParams, concat_rows
@@ -228,9 +228,13 @@ class Trainer:
             error += (f"\nThe disk holding {self.run.root} is full. Free space there (or move the run directory), "
                       f"then resume with trainer.resume_mode=auto: the last whole checkpoint is "
                       f"{last.name if last else 'none yet'}.")
+        diagnosis = {}
+        if isinstance(e, WorkerOutOfMemory):  # what the planner says of it is added by whoever holds a planner
+            diagnosis = {"diagnosis": {"kind": "out of memory", "call": e.what, "rank": e.who, **e.memory,
+                                       "at": time.time()}}
         try:
             self.run.write_status("failed", stage="failed", finished=time.time(), error=error,
-                                  traceback="".join(traceback.format_exc().splitlines(True)[-30:]))
+                                  traceback="".join(traceback.format_exc().splitlines(True)[-30:]), **diagnosis)
         except OSError as write_error:  # e.g. still no space: the dashboard sees the process gone instead
             print(f"could not record the failure in {self.run.status}: {write_error}\n{error}", flush=True)
 

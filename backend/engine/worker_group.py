@@ -33,7 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from backend.core.config import Config, to_dict, uses_critic
 from backend.engine import distributed
-from backend.engine.rank import MarkedRows, concat_marked, step_counts
+from backend.engine.rank import MarkedRows, concat_marked, out_of_memory, step_counts
 from backend.rollout.base import RolloutBatch, SamplingParams, left_pad, right_pad
 from backend.rollout.episodes import Episode
 
@@ -59,6 +59,21 @@ _PLACEMENT_TIMEOUT_S = 120.0
 
 class WorkerError(RuntimeError):
     """A worker raised, or its process died; the message names the rank, its process and the call."""
+
+
+class WorkerOutOfMemory(WorkerError):
+    """A rank ran out of memory: which rank, in which call, and (`memory`, from rank.held_at_failure) in which
+    of its phases and what its device held then."""
+
+    def __init__(self, who: str, what: str, cause: BaseException):
+        self.who, self.what, self.memory = who, what, dict(getattr(cause, "memory", {}))
+        m = self.memory
+        held = ""
+        if "peak_reserved_gib" in m:
+            held = (f", {m['peak_reserved_gib']:.2f} GiB reserved at the phase's peak ({m['peak_allocated_gib']:.2f} "
+                    f"allocated) of the {m['device_gib']:.2f} GiB of its {m['gpu']}")
+        phase = f" (phase {m['phase']}{held})" if m else ""
+        super().__init__(f"{who} ran out of memory during {what}{phase}: {type(cause).__name__}: {cause}")
 
 
 # How long the stacks of a rank may take to come back: a rank that does not answer is stopped, or stuck in
@@ -381,6 +396,8 @@ class WorkerGroup:
                         rank, error = died
                         raise WorkerError(f"{self._who(rank)} died during {what}: {_death_reason(error)}") from None
                     cause = e.cause if getattr(e, "cause", None) is not None else e
+                    if out_of_memory(cause):
+                        raise WorkerOutOfMemory(self._who(index[ref]), what, cause) from e
                     raise WorkerError(f"{self._who(index[ref])} failed during {what}: "
                                       f"{type(cause).__name__}: {cause}") from e
             if progress is not None and pending:

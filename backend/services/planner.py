@@ -660,6 +660,51 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         verdict=verdict, step_seconds=step_s, host_gib_per_worker=host_per_worker / GiB, notes=notes)
 
 
+# ---- after a rank ran out of memory ----
+
+# A worker's phase (rank.PeakMemory) -> the planner's phase of the same work.
+WORKER_PHASES = {"gen": "generation", "old_log_prob": "old log-prob", "ref": "reference log-prob",
+                 "update_actor": "update", "update_critic": "critic update"}
+_TRIED = re.compile(r"Tried to allocate (\d+(?:\.\d+)?) (GiB|MiB|KiB)")
+
+
+def after_out_of_memory(cfg: Config, memory: dict, message: str, k: int = 3) -> dict[str, Any]:
+    """What the planner makes of a rank that ran out of memory (`memory`: rank.held_at_failure's record,
+    `message`: the error, whose "Tried to allocate" it reads): its prediction for that phase against what the
+    rank held plus the allocation that failed, and the `k` config changes it says would fit once its miss is
+    allowed for (planned for a GPU that much smaller). Keys: predicted_gib, needed_gib (None off a GPU),
+    suggestions (override lines with their effect), note."""
+    phase = WORKER_PHASES.get(memory.get("phase", ""))
+    gpu = None
+    if memory.get("device") == "cuda" and "device_gib" in memory:
+        kind = match_gpu(memory.get("gpu", ""), memory["device_gib"])
+        gpu = (replace(GPUS[kind], memory_gib=memory["device_gib"]) if kind
+               else GPU(memory.get("gpu", "this GPU"), memory["device_gib"], None, None))
+    cal = dict(CALIBRATION)
+    dims = model_dims(cfg.actor_rollout_ref.model.path)
+    device = "cuda" if gpu is not None else "cpu"
+    base = _plan(cfg, dims, device, gpu, cal)
+    predicted = base.phase(phase).reserved_gib if phase and base.phase(phase).runs else None
+    out: dict[str, Any] = {"phase": phase, "predicted_gib": predicted, "needed_gib": None, "suggestions": [],
+                           "note": ""}
+    if gpu is None or predicted is None:
+        out["note"] = "the planner's suggestions need the GPU's figures; run `python -m backend plan` with --gpu"
+        return out
+    tried = _TRIED.search(message)
+    tried_gib = float(tried[1]) / {"GiB": 1, "MiB": 2**10, "KiB": 2**20}[tried[2]] if tried else 0.0
+    needed = memory["peak_reserved_gib"] + tried_gib
+    miss = max(0.0, needed - predicted)
+    smaller = replace(gpu, memory_gib=gpu.memory_gib - miss)
+    out["needed_gib"] = needed
+    out["note"] = (f"the planner predicted {predicted:.2f} GiB reserved for {phase}; the rank held "
+                   f"{memory['peak_reserved_gib']:.2f} GiB and asked for {tried_gib:.2f} GiB more: the suggestions "
+                   f"are planned for {smaller.memory_gib:.1f} GiB, the GPU less the planner's miss of {miss:.2f} GiB")
+    planned = _plan(cfg, dims, device, smaller, cal)
+    if not planned.fits:
+        out["suggestions"] = [s.text() for s in _suggestions(cfg, dims, device, smaller, cal, planned)[:k]]
+    return out
+
+
 # ---- what to change ----
 
 def _with(cfg: Config, changes: list[tuple[str, Any]]) -> Config:
