@@ -273,17 +273,27 @@ def create_sweep(base: Config, spec: SweepSpec, *, name: str, runs_root: str | P
             p.values = [_as_field_type(p.key, v) for v in p.values]
     folder = Path(os.path.abspath(Path(runs_root if runs_root is not None else base.trainer.runs_root)
                                   / SWEEPS_DIR / name))
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    taken = SweepError(f"a sweep named {name} already exists in {folder.parent}: choose another name")
+    if folder.exists():
+        raise taken
+    # Written aside and renamed into place: a reader (the Sweeps page, a waiting script) sees the whole sweep, its
+    # study included, or none of it.
+    tmp = folder.with_name(f".{name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     try:
-        folder.mkdir()
-    except FileExistsError:
-        raise SweepError(f"a sweep named {name} already exists in {folder.parent}: choose another name") from None
-    atomic_write_text(folder / "base.yaml", base_text)
-    atomic_write_text(folder / "sweep.yaml", yaml.safe_dump(asdict(spec), sort_keys=False))
-    _write_state(folder, state="created", parallel=spec.parallel)
-    study = _study(folder, spec, create=True)
-    for point in spec.grid() if spec.is_grid else []:
-        study.enqueue_trial(point)  # the grid in the order written, not the sampler's
+        atomic_write_text(tmp / "base.yaml", base_text)
+        atomic_write_text(tmp / "sweep.yaml", yaml.safe_dump(asdict(spec), sort_keys=False))
+        _write_state(tmp, state="created", parallel=spec.parallel)
+        study = _study(tmp, spec, create=True, name=name)
+        for point in spec.grid() if spec.is_grid else []:
+            study.enqueue_trial(point)  # the grid in the order written, not the sampler's
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # made by someone else meanwhile
+            raise taken from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
@@ -297,7 +307,8 @@ def read_spec(folder: str | Path) -> SweepSpec:
     return SweepSpec(**raw)
 
 
-def _study(folder: Path, spec: SweepSpec, *, create: bool = False) -> optuna.Study:
+def _study(folder: Path, spec: SweepSpec, *, create: bool = False, name: str = "") -> optuna.Study:
+    """The sweep's Optuna study, named as its folder (or `name`, for one being written aside)."""
     storage = JournalStorage(JournalFileBackend(str(folder / "study.journal")))
     if spec.early_stopping == "median":
         pruner: optuna.pruners.BasePruner = optuna.pruners.MedianPruner(
@@ -307,7 +318,7 @@ def _study(folder: Path, spec: SweepSpec, *, create: bool = False) -> optuna.Stu
     else:
         pruner = optuna.pruners.NopPruner()
     sampler = optuna.samplers.RandomSampler(seed=spec.seed)
-    kwargs = dict(study_name=folder.name, storage=storage, sampler=sampler, pruner=pruner)
+    kwargs = dict(study_name=name or folder.name, storage=storage, sampler=sampler, pruner=pruner)
     if create:
         return optuna.create_study(direction=DIRECTIONS[spec.direction], **kwargs)
     return optuna.load_study(**kwargs)
@@ -756,7 +767,7 @@ def list_sweeps(runs_root: str | Path) -> list[Path]:
     """The sweep folders under `runs_root`, newest first."""
     root = Path(runs_root) / SWEEPS_DIR
     try:
-        found = [p for p in root.iterdir() if (p / "sweep.yaml").is_file()]
+        found = [p for p in root.iterdir() if (p / "sweep.yaml").is_file() and not p.name.startswith(".")]
     except (FileNotFoundError, NotADirectoryError):
         return []
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
