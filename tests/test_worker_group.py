@@ -8,6 +8,9 @@ import subprocess
 import sys
 import threading
 
+import torch
+
+from backend.engine.rank import MarkedRows, concat_marked
 from backend.engine.worker_group import CPU_MALLOC_TUNABLES, _rank_class
 
 
@@ -57,3 +60,13 @@ def test_the_cpu_ranks_allocator_settings_keep_a_freed_block_mapped_for_the_next
     # the second time round with the settings
     assert faults(plain) > 400_000
     assert faults({**plain, "GLIBC_TUNABLES": CPU_MALLOC_TUNABLES}) < 1_000
+
+
+def test_a_marked_row_two_ranks_report_after_shuffled_epochs_appears_once_in_mark_order():
+    """With two epochs of shuffled mini-batches, mark 0 fell to rank 0 in one epoch and to rank 1 in the other."""
+    rank0 = MarkedRows(torch.tensor([2, 0]), torch.tensor([[2.0], [0.0]]))
+    rank1 = MarkedRows(torch.tensor([0, 1]), torch.tensor([[0.0], [1.0]]))
+    merged = concat_marked([rank0, rank1])
+    assert merged.rows.tolist() == [0, 1, 2]
+    assert merged.after[:, 0].tolist() == [0.0, 1.0, 2.0]
+    assert merged.before is None and merged.entropy is None

@@ -282,12 +282,16 @@ class MarkedRows:
 
 
 def concat_marked(parts: list[MarkedRows | None]) -> MarkedRows | None:
-    """Every rank's marked rows as one, in mark order."""
+    """Every rank's marked rows as one, in mark order, each row once: with several epochs of shuffled mini-batches
+    a row can fall to more than one rank, and each reports it (the same weights after the update)."""
     parts = [p for p in parts if p is not None and len(p.rows)]
     if not parts:
         return None
     rows = torch.cat([p.rows for p in parts])
-    order = rows.argsort()
+    order = rows.argsort(stable=True)
+    first = torch.ones(len(order), dtype=torch.bool)
+    first[1:] = rows[order][1:] != rows[order][:-1]
+    order = order[first]
     one_step = all(p.before is not None for p in parts)
     return MarkedRows(rows[order], torch.cat([p.after for p in parts])[order],
                       torch.cat([p.before for p in parts])[order] if one_step else None,
