@@ -9,9 +9,14 @@ import shlex
 import sys
 import traceback
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from backend.core.config import ConfigError
+
+if TYPE_CHECKING:
+    from backend.core.config import Config
+    from backend.core.runs import RunDir
+    from backend.engine.worker_group import WorkerOutOfMemory
 
 
 def _quiet_transformers() -> None:
@@ -112,7 +117,7 @@ def _train(cfg, run_dir: str | None, *, quiet: bool) -> tuple[int, Path]:
     return 0, trainer.run.root
 
 
-def advise_after_out_of_memory(run, cfg, error) -> dict:
+def advise_after_out_of_memory(run: RunDir, cfg: Config, error: WorkerOutOfMemory) -> dict:
     """Add the planner's view of a rank that ran out of memory (its prediction for that phase, what would fit)
     to the diagnosis the trainer recorded in status.json, and print it."""
     from backend.core.runs import read_status

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from backend.rewards.registry import RewardError, get_scorer
 from backend.rewards.rules import GSM8K_SCORERS, gsm8k_score
@@ -318,7 +318,16 @@ def score_batch(
     )
 
 
-def reward_terms(reward, rows: list[dict], texts: list[str], custom_fn: Callable | None,
+class RewardSettings(Protocol):
+    """What reward_terms reads of a config's reward section (backend.core.config.RewardConfig)."""
+
+    rule_weight: float
+    weights: list[float]
+    gsm8k_scorer: str
+    timeout_s: float
+
+
+def reward_terms(reward: RewardSettings, rows: list[dict], texts: list[str], custom_fn: Callable | None,
                  functions: list[tuple[str, Callable]], in_this_thread: bool = False
                  ) -> list[tuple[str, float, ScoredBatch]]:
     """The rule scorer's batch (data_source's scorer, or `custom_fn`) and one batch per reward function, each
