@@ -33,7 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from backend.core.config import Config, to_dict, uses_critic
 from backend.engine import distributed
-from backend.engine.rank import MarkedRows, concat_marked, out_of_memory, step_counts
+from backend.engine.rank import MarkedRows, concat_marked, out_of_memory, python_stacks, step_counts
 from backend.rollout.base import RolloutBatch, SamplingParams, left_pad, right_pad
 from backend.rollout.episodes import Episode
 
@@ -423,8 +423,6 @@ class WorkerGroup:
     def _report_stall(self, what: str, elapsed: float, final: bool = False) -> Stall:
         """Collect where every rank is and pass it to on_stall; the controller's own stack first. A rank whose
         threads run none of our code is idle: it has returned from the call, and the others are awaited."""
-        from backend.engine.rank import python_stacks
-
         text, _ = python_stacks(skip_current=False)
         stacks = [f"=== controller (pid {os.getpid()} on {socket.gethostname()})\n{text}"]
         ranks = []
