@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from backend.core.config import ConfigError, load_config
-from backend.core.runs import latest_checkpoint, read_metrics
+from backend.core.runs import latest_checkpoint, list_dumps, read_metrics
 from backend.engine.trainer import Trainer
 from backend.rewards.scoring import score_batch
 
@@ -67,9 +67,12 @@ def test_ppo_with_a_critic_warms_the_critic_up_then_trains_both_and_resumes_it(t
            "algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.type": "adaptive",
            "actor_rollout_ref.actor.use_kl_loss": False, "critic.optim.lr": 1e-3,
            "critic.ppo_micro_batch_size_per_gpu": 4, "trainer.save_freq": 1}
+    (tmp_path / "ppo").mkdir()
+    (tmp_path / "ppo" / "dump_next").touch()  # asked before step 1, which has no actor update to dump
     lines = train(tmp_path / "ppo", sample_sets, **ppo)
     first, second = lines
     assert "actor/pg_loss" not in first and "actor/pg_loss" in second  # step 1 is the critic's warm-up
+    assert [d.name for d in list_dumps(tmp_path / "ppo")] == ["step_2"]
     for line in lines:
         for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm",
                     "critic/explained_variance", "critic/returns/mean", "critic/values/mean",

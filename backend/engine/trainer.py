@@ -466,9 +466,12 @@ class Trainer:
         return scores, rewards, metrics
 
     def _step_dump(self, step: int) -> StepDump | None:
-        """A dump of this step when trainer.dump_steps lists it or someone asked for the next one."""
+        """A dump of this step when trainer.dump_steps lists it or someone asked for the next one. A step of the
+        critic's warm-up has no actor update to dump: a request waits for the first step that has."""
         asked = self.run.dump_request.exists()
         if step not in self.cfg.trainer.dump_steps and not asked:
+            return None
+        if self.has_critic and step <= self.cfg.trainer.critic_warmup:
             return None
         self.run.dump_request.unlink(missing_ok=True)
         return StepDump(self.run.root, step, self.cfg)
