@@ -40,6 +40,7 @@ class StepDump:
     """The dump of step `step` of the run at `run_root`, written into a temporary folder until `commit`."""
 
     def __init__(self, run_root: Path, step: int, cfg: Config):
+        self.step = step
         self.final = run_root / "dumps" / f"step_{step}"
         self.tmp = run_root / "dumps" / f".tmp_step_{step}"
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -61,9 +62,9 @@ class StepDump:
             "mini_rows": mini_rows, "epochs": epochs, "shuffle": shuffle, "world_size": world_size,
             "total_steps": total_steps}))
 
-    def commit(self, step: int, metrics: dict[str, float]) -> Path:
+    def commit(self, metrics: dict[str, float]) -> Path:
         logged = {k: v for k, v in metrics.items() if k.startswith("actor/")}
-        (self.tmp / "logged.json").write_text(json.dumps({"step": step, **logged}, indent=1))
+        (self.tmp / "logged.json").write_text(json.dumps({"step": self.step, **logged}, indent=1))
         shutil.rmtree(self.final, ignore_errors=True)
         os.replace(self.tmp, self.final)
         return self.final

@@ -337,7 +337,7 @@ class Trainer:
             # ---- update ----
             update_metrics, marked = self._update(step, tensors, timings, dump)
             if dump is not None:
-                dump.commit(step, update_metrics)
+                dump.commit(update_metrics)
 
         # ---- metrics and tables ----
         metrics = {"step": step, "epoch": epoch, "time": time.time(), **update_metrics, **reward_metrics,
