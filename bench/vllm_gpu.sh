@@ -36,7 +36,7 @@ if [ "${RUN_STEP:-1}" = 1 ]; then
   grep -E "^\|" "$OUT/vllm-step.log" || tail -40 "$OUT/vllm-step.log"
 fi
 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_vllm_rollout.py \
-  tests/test_multi_turn_runs.py -k "vllm_in_the_workers or grpo_run_with_vllm or vllm_plays_episodes" \
+  tests/test_multi_turn_runs.py -k "vllm_in_the_workers or grpo_run_with_vllm or vllm_sync or vllm_plays_episodes" \
   > "$OUT/vllm-tests.log" 2>&1
 echo "tests rc=$?"
 tail -30 "$OUT/vllm-tests.log"

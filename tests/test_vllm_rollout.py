@@ -16,14 +16,22 @@ import torch
 
 from backend.algos.losses import get_policy_loss_fn, rollout_is_weights
 from backend.core import lora
-from backend.core.config import ConfigError, load_config
+from backend.core.config import ConfigError, load_config, to_dict
 from backend.core.models import load_model
 from backend.core.vllm_support import INSTALL
 from backend.engine import distributed
 from backend.engine.worker_group import _merge
 from backend.engine.workers import ActorRolloutRefWorker
-from backend.rollout.base import RolloutBatch, SamplingParams, concat_rows
-from backend.rollout.vllm_engine import hf_weights, log_prob_rows, row_seed, sampling_kwargs, vllm_requests
+from backend.rollout.base import RolloutBatch, SamplingParams, StaleWeightsError, concat_rows
+from backend.rollout.vllm_engine import (
+    VLLMEngine,
+    hf_weights,
+    log_prob_rows,
+    row_seed,
+    sampling_kwargs,
+    stale_in_engine,
+    vllm_requests,
+)
 
 from .conftest import tiny_overrides
 from .test_workers import one_rank_worker, padded_batch
@@ -166,6 +174,48 @@ def test_a_lora_model_hands_vllm_its_merged_weights_without_the_adapters():
         torch.testing.assert_close(tensor, merged[name], rtol=1e-5, atol=1e-6)
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.allclose(given[q], dict(load_model("tiny-qwen3", torch.device("cpu")).named_parameters())[q])
+
+
+def _vllm_layout(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The parameters vLLM's Qwen3 model holds for these Hugging Face weights, as its loader lays them out on
+    one GPU: q, k, v stacked into qkv_proj, gate and up into gate_up_proj, the vocabulary padded, bf16."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        for part, stacked in (("q_proj", "qkv_proj"), ("k_proj", None), ("v_proj", None),
+                              ("gate_proj", "gate_up_proj"), ("up_proj", None)):
+            if f".{part}." in name:
+                if stacked is not None:
+                    rest = ("k_proj", "v_proj") if part == "q_proj" else ("up_proj",)
+                    parts = [tensor] + [weights[name.replace(part, r)] for r in rest]
+                    out[name.replace(part, stacked)] = torch.cat(parts).to(torch.bfloat16)
+                break
+        else:
+            if name == "model.embed_tokens.weight":
+                tensor = torch.cat([tensor, torch.zeros(5, tensor.shape[1])])
+            out[name] = tensor.to(torch.bfloat16)
+    return out
+
+
+def test_the_weight_check_finds_each_tensor_in_vllms_stacked_parameters_and_names_those_a_sync_left_behind():
+    model = load_model("tiny-qwen3", torch.device("cpu"))
+    engine = _vllm_layout(dict(hf_weights(model)))
+    assert "model.layers.1.self_attn.qkv_proj.weight" in engine and "model.layers.1.mlp.gate_up_proj.weight" in engine
+    assert stale_in_engine(engine, hf_weights(model)) == []
+    before = {k: v.clone() for k, v in engine.items()}
+    with torch.no_grad():  # an update, then a push that skipped layer 1's k and up projections
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    engine = _vllm_layout(dict(hf_weights(model)))
+    assert stale_in_engine(engine, hf_weights(model)) == []
+    q_rows = model.model.layers[1].self_attn.q_proj.weight.shape[0]
+    k_rows = model.model.layers[1].self_attn.k_proj.weight.shape[0]
+    qkv, gate_up = "model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"
+    engine[qkv][q_rows:q_rows + k_rows] = before[qkv][q_rows:q_rows + k_rows]
+    gate_rows = model.model.layers[1].mlp.gate_proj.weight.shape[0]
+    engine[gate_up][gate_rows:] = before[gate_up][gate_rows:]
+    engine["model.norm.weight"] = before["model.norm.weight"]
+    assert stale_in_engine(engine, hf_weights(model)) == [
+        "model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.norm.weight"]
 
 
 # ---- the importance-sampling math ----
@@ -347,6 +397,36 @@ def test_vllm_in_the_workers_samples_reproducibly_with_the_actors_weights_after_
             < 0.05
     finally:
         group.shutdown()
+
+
+def test_a_vllm_sync_that_left_a_layer_behind_fails_the_step_naming_vllm_and_that_layers_tensors(
+        sample_sets, tiny_tokenizer, monkeypatch):
+    _needs_vllm_and_cuda()
+    worker = ActorRolloutRefWorker(to_dict(load_config(None, _gpu_overrides(sample_sets))), 0, 1,
+                                   *distributed.local_meeting_point(), "cuda", total_steps=1)
+    sync, first = VLLMEngine.load_weights, {}
+
+    def sync_skipping_layer_0(engine, model):
+        """Layer 0 keeps what the first push gave it (with sleep mode vLLM drops its weights after each
+        generation, so they are put back here as a sync that skipped them would leave them)."""
+        sync(engine, model)
+        for name, p in engine._model().named_parameters():
+            if ".layers.0." in name:
+                p.data.copy_(first.setdefault(name, p.detach().clone()))
+
+    monkeypatch.setattr(VLLMEngine, "load_weights", sync_skipping_layer_0)
+    prompts = [tiny_tokenizer("1 + 2 =")["input_ids"]]
+    params = SamplingParams(n=2, max_new_tokens=4, seed=1)
+    try:
+        assert worker.generate(prompts, params, first_row=0)["responses"].shape[0] == 2  # a first push is whole
+        with torch.no_grad():
+            for p in worker.actor.parameters():
+                p.add_(torch.ones_like(p) * 1e-2)
+        with pytest.raises(StaleWeightsError, match=r"after the weight sync vLLM's copy of \d+ of the actor's "
+                                                    r"tensors differs from the actor's: model\.layers\.0\."):
+            worker.generate(prompts, params, first_row=2)
+    finally:
+        worker.shutdown()
 
 
 def test_a_grpo_run_with_vllm_trains_and_logs_the_rollout_mismatch_every_step(tmp_path, sample_sets):

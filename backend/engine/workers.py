@@ -191,21 +191,22 @@ class ActorRolloutRefWorker(RankWorker):
         return episodes, timings.get("timing_s/tools", 0.0)
 
     def _sync_engine(self) -> None:
-        """Copy the gathered actor into the engine; for the workbench engine, then check that every tensor
-        arrived (a fingerprint of each, compared on the device), so a sync that left a layer behind fails the
-        step instead of sampling from stale weights."""
+        """Copy the gathered actor into the engine, then check that every tensor arrived (a fingerprint of
+        each, compared on the device), so a sync that left a layer behind fails the step instead of sampling
+        from stale weights."""
         model = lora.unwrap(self.actor)
         self.rollout.load_weights(model)
-        if isinstance(self.rollout, static_cache.StaticCacheEngine) and (stale := self.rollout.stale_tensors(model)):
+        if stale := self.rollout.stale_tensors(model):
+            engine = "vLLM" if isinstance(self.rollout, VLLMEngine) else "the workbench engine"
             shown = ", ".join(stale[:4]) + (f" and {len(stale) - 4} more" if len(stale) > 4 else "")
-            raise StaleWeightsError(f"after the weight sync the workbench engine's copy of {len(stale)} of the "
+            raise StaleWeightsError(f"after the weight sync {engine}'s copy of {len(stale)} of the "
                                     f"actor's tensors differs from the actor's: {shown}")
 
     def _vllm_turn(self, prompts: list[list[int]], params: SamplingParams, row_ids: list[int]) -> RolloutBatch:
         """One lockstep turn on vLLM, pushing the weights before the first (vLLM stays awake for the rest)."""
         if not self.rollout.loaded:
             with distributed.unsharded(self.actor):
-                self.rollout.load_weights(lora.unwrap(self.actor))
+                self._sync_engine()
         return self.rollout.generate(prompts, params, row_ids=row_ids)
 
     # ---- log-probs ----

@@ -26,6 +26,33 @@ class StaleWeightsError(RuntimeError):
     from weights other than those being trained."""
 
 
+# Values of each tensor the weight check compares: about this many, evenly strided through it. A sync that
+# skipped or misplaced a tensor leaves all of its values stale, so a sample shows it, at a read of a few
+# thousand values a tensor instead of all of them (on a small CPU, a whole read costs a noticeable part of a step).
+FINGERPRINT_VALUES = 4096
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """A fixed, evenly strided sample of a tensor's values (a view: nothing is copied)."""
+    flat = t.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // FINGERPRINT_VALUES)]
+
+
+def stale_tensors(samples: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[str]:
+    """The names whose engine copy differs from the actor's tensor, of (name, fingerprint of the engine's copy,
+    fingerprint of the actor's tensor) triples: compared value for value in the engine copy's dtype (the sync
+    casts to it), all at once on the engine's device, in one transfer back."""
+    if not samples:
+        return []
+    device = samples[0][1].device
+    ours = [engine.float() for _, engine, _ in samples]
+    theirs = [actor.to(device=device, dtype=engine.dtype).float() for _, engine, actor in samples]
+    lengths = torch.tensor([len(x) for x in ours], device=device)
+    unequal = torch.cat(ours) != torch.cat(theirs)
+    differs = torch.segment_reduce(unequal.float(), "max", lengths=lengths).tolist()
+    return [name for (name, _, _), d in zip(samples, differs, strict=True) if d]
+
+
 @dataclass
 class SamplingParams:
     n: int = 1

@@ -46,9 +46,11 @@ from backend.rollout.base import (
     Turn,
     assemble,
     eos_ids_of,
+    fingerprint,
     left_pad,
     right_pad,
     sample_tokens,
+    stale_tensors,
 )
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -123,18 +125,6 @@ _SOURCE_NAMES = {
     "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
     "down": ["mlp.down_proj.weight"],
 }
-
-
-# Values of each tensor the weight check compares: about this many, evenly strided through it. A sync that
-# skipped or misplaced a tensor leaves all of its values stale, so a sample shows it, at a read of a few
-# thousand values a tensor instead of all of them (on a small CPU, a whole read costs a noticeable part of a step).
-FINGERPRINT_VALUES = 4096
-
-
-def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """A fixed, evenly strided sample of a tensor's values (a view: nothing is copied)."""
-    flat = t.detach().reshape(-1)
-    return flat[:: max(1, flat.numel() // FINGERPRINT_VALUES)]
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -229,19 +219,16 @@ class StaticCacheEngine:
     @torch.no_grad()
     def stale_tensors(self, model) -> list[str]:
         """The names of the actor's weights whose copy in the engine differs from them, as the engine stores
-        them (its dtype): empty right after a whole `load_weights`. Each tensor's sample (`_fingerprint`) is
-        compared value for value with the same sample of the actor's, all at once, in one transfer."""
+        them (its dtype): empty right after a whole `load_weights` (a sample of each compared)."""
         base = model.model
-        names, ours, theirs = [], [], []
+        pairs = []
 
         def compare(name: str, dst: torch.Tensor | None, parts: list[torch.Tensor] | None, part_names: list[str]):
             if dst is None or parts is None:
                 return
             start = 0
             for part, part_name in zip(parts, part_names, strict=True):
-                names.append(f"{name}{part_name}")
-                ours.append(_fingerprint(dst[start:start + part.shape[0]]))
-                theirs.append(_fingerprint(part))
+                pairs.append((f"{name}{part_name}", fingerprint(dst[start:start + part.shape[0]]), fingerprint(part)))
                 start += part.shape[0]
 
         for i, layer in enumerate(base.layers):
@@ -251,10 +238,7 @@ class StaticCacheEngine:
         compare("model.", self.norm, [base.norm.weight], ["norm.weight"])
         if not self.tied:
             compare("", self.lm_head, [model.lm_head.weight], ["lm_head.weight"])
-        lengths = torch.tensor([len(x) for x in ours], device=self.device)
-        unequal = torch.cat(ours) != torch.cat(theirs).to(device=self.device, dtype=self.dtype)
-        differs = torch.segment_reduce(unequal.float(), "max", lengths=lengths).tolist()
-        return [name for name, d in zip(names, differs, strict=True) if d]
+        return stale_tensors(pairs)
 
     def _fill(self, dst: torch.Tensor | None, parts: list[torch.Tensor] | None) -> torch.Tensor | None:
         """`parts` stacked along dim 0 into `dst` (a new buffer in the engine's device and dtype if None)."""

@@ -35,7 +35,7 @@ import torch
 
 from backend.core import lora
 from backend.core.vllm_support import INSTALL, installed_version
-from backend.rollout.base import RolloutBatch, SamplingParams, assemble
+from backend.rollout.base import RolloutBatch, SamplingParams, assemble, fingerprint, stale_tensors
 
 # ---- the pure parts: requests and weights ----
 
@@ -109,6 +109,49 @@ def hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield f"{layer}.{leaf}", tensor.detach()
             continue
         yield name, param.detach()
+
+
+# The Hugging Face tensors vLLM's Llama and Qwen models stack into one parameter, and each one's place in the
+# stack: its rows follow those before it (tensor parallel size 1).
+STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def engine_name(hf_name: str) -> tuple[str, int]:
+    """The name of vLLM's parameter holding the Hugging Face tensor `hf_name`, and the tensor's place in it."""
+    owner, _, leaf = hf_name.rpartition(".")
+    module, _, last = owner.rpartition(".")
+    if last in STACKED:
+        stacked, place = STACKED[last]
+        return f"{module}.{stacked}.{leaf}", place
+    return hf_name, 0
+
+
+def stale_in_engine(engine_params: dict[str, torch.Tensor],
+                    weights: Iterator[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the actor's `weights` (as `hf_weights` gives them) whose rows in vLLM's parameters differ
+    from them, in the order they came: empty right after a whole weight push. A stacked parameter's rows are
+    found from its parts' places and sizes; rows past the parts (vLLM pads the vocabulary) are not compared,
+    nor weights that vLLM's model lays out otherwise than STACKED says (`load_weights` already fails when
+    the push leaves a parameter of vLLM's unset). Each weight is reduced to its fingerprint as it comes, so a
+    LoRA model's merged weights are never held together."""
+    order = []
+    stacks: dict[str, list[tuple[int, str, torch.Size, torch.Tensor]]] = {}
+    for name, tensor in weights:
+        order.append(name)
+        target, place = engine_name(name)
+        if target in engine_params:
+            stacks.setdefault(target, []).append((place, name, tensor.shape, fingerprint(tensor).clone()))
+    samples = []
+    for target, parts in stacks.items():
+        start = 0
+        for _, name, shape, sample in sorted(parts, key=lambda part: part[0]):
+            engine_rows = engine_params[target][start:start + shape[0]]
+            if engine_rows.shape == shape:
+                samples.append((name, fingerprint(engine_rows), sample))
+            start += shape[0]
+    stale = set(stale_tensors(samples))
+    return [name for name in order if name in stale]
 
 
 def log_prob_rows(log_probs: list[torch.Tensor], response_mask: torch.Tensor) -> torch.Tensor:
@@ -215,6 +258,12 @@ class VLLMEngine:
                 raise RuntimeError(f"the actor's weights left {len(missing)} of vLLM's parameters unset "
                                    f"({', '.join(missing[:5])}...): its architecture's weight names do not match")
         self.loaded = True
+
+    @torch.no_grad()
+    def stale_tensors(self, model: torch.nn.Module) -> list[str]:
+        """The names of the actor's (whole, gathered) weights whose copy in vLLM's model differs from them:
+        empty right after a whole `load_weights` (a sample of each compared, see stale_in_engine)."""
+        return stale_in_engine(dict(self._model().named_parameters()), hf_weights(model))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, progress=None,
