@@ -254,9 +254,19 @@ def live_status() -> None:
 
 def diagnosis_panel(status: dict) -> None:
     """What the trainer found when a rank ran out of memory (the phase, what it held, what the planner says
-    would fit) or a call to its workers ran far too long (where each rank was, every process's Python stacks)."""
+    would fit), when a rollout engine kept stale weights after a sync (which tensors), or when a call to its
+    workers ran far too long (where each rank was, every process's Python stacks)."""
     d = status["diagnosis"]
     st.markdown("**Diagnosis**")
+    if d.get("kind") == "stale weights":
+        st.error(f"After the weight sync in {d.get('call')}, {d.get('engine')}'s copy of {d.get('count')} of the "
+                 f"actor's tensors differed from the actor's ({d.get('rank')}): the step failed before sampling "
+                 "from them.")
+        more = d.get("count", 0) - len(d.get("tensors", []))
+        st.markdown("\n".join(f"- `{t}`" for t in d.get("tensors", [])) + (f"\n- and {more} more" if more else ""))
+        st.markdown("A bug in the copy into the engine: report it with these names, and meanwhile train with "
+                    "`actor_rollout_ref.rollout.name=hf`.")
+        return
     if d.get("kind") == "out of memory":
         held = (f": {d['peak_reserved_gib']:.2f} GiB reserved at the phase's peak, of {d['device_gib']:.2f} GiB"
                 if "peak_reserved_gib" in d else "")

@@ -233,3 +233,82 @@ def test_a_run_that_ran_out_of_memory_shows_the_rank_phase_what_it_held_and_what
                in e.value for e in at.error)
     assert any("ppo_micro_batch_size_per_gpu=64: saves 1.94 GiB" in m.value for m in at.markdown)
     assert any(m.value.startswith("The planner predicted 3.09 GiB") for m in at.markdown)
+
+
+# Loaded by every Python process started with this folder on PYTHONPATH (Ray's workers get the run's): the
+# workbench engine's weight sync leaves layer 0 as the first sync left it, as a sync that skipped it would.
+SKIP_LAYER_0 = """
+import importlib.abc
+import importlib.util
+import sys
+
+TARGET = "backend.rollout.static_cache"
+
+
+def patch(module):
+    import torch
+
+    sync, first = module.StaticCacheEngine.load_weights, {}
+
+    def load_weights(engine, model):
+        sync(engine, model)
+        for k, v in vars(engine.layers[0]).items():
+            if isinstance(v, torch.Tensor):
+                v.copy_(first.setdefault(k, v.clone()))
+
+    module.StaticCacheEngine.load_weights = load_weights
+
+
+class Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, Finder())
+"""
+
+
+@pytest.mark.slow
+def test_a_run_whose_engine_kept_stale_weights_fails_and_the_page_names_the_engine_and_the_tensors(
+        home, sample_sets, tmp_path, monkeypatch):
+    """A launched run (its own process and Ray, whose workers load the hook above): the failure crosses Ray as the
+    worker raised it, and the trainer writes it into the run's diagnosis."""
+    from backend.core.runs import read_status
+    from backend.services.launcher import launch
+
+    from .conftest import wait_for
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SKIP_LAYER_0)
+    monkeypatch.setenv("PYTHONPATH", str(hook))
+    cfg = load_config(None, tiny_overrides(sample_sets, **{
+        "actor_rollout_ref.rollout.name": "workbench", "actor_rollout_ref.actor.optim.lr": 1e-2,
+        "trainer.total_training_steps": 3, "data.val_files": "[]"}))
+    run_dir = launch(cfg, name="stale", runs_root=home / "runs")
+    wait_for(lambda: (read_status(run_dir) or {}).get("state") in ("failed", "succeeded"))
+    status = read_status(run_dir)
+    assert status["state"] == "failed" and status["step"] == 1, status  # the first sync was whole
+    assert status["error"].startswith("WorkerStaleWeights: ") and ("StaleWeightsError: after the weight sync the "
+                                                                   "workbench engine's copy of 11 of the actor's "
+                                                                   "tensors differs") in status["error"]
+    d = status["diagnosis"]
+    assert (d["kind"], d["engine"], d["count"]) == ("stale weights", "the workbench engine", 11)
+    assert d["tensors"][0] == "model.layers.0.input_layernorm.weight"
+    assert all(t.startswith("model.layers.0.") for t in d["tensors"])
+    at = page(home).run()
+    assert not at.exception
+    assert any("the workbench engine's copy of 11 of the actor's tensors differed from the actor's" in e.value
+               for e in at.error)
+    assert any("`model.layers.0.mlp.down_proj.weight`" in m.value for m in at.markdown)

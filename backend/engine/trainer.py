@@ -42,7 +42,14 @@ from backend.engine.rank import MarkedRows, freeze_heap
 from backend.engine.replay import StepDump
 from backend.engine.step_log import TableWriter, rollout_rows, token_rows
 from backend.engine.step_metrics import batch_metrics, stats, summary_line, timer
-from backend.engine.worker_group import Stall, WorkerError, WorkerGroup, WorkerOutOfMemory, start_ray
+from backend.engine.worker_group import (
+    Stall,
+    WorkerError,
+    WorkerGroup,
+    WorkerOutOfMemory,
+    WorkerStaleWeights,
+    start_ray,
+)
 from backend.rewards.registry import load_custom_reward
 from backend.rewards.scoring import ScoredBatch, combine, concat_scored, from_scores, reward_terms
 from backend.rollout.base import RolloutBatch, SamplingParams, concat_rows
@@ -54,6 +61,8 @@ from backend.rollout.episodes import (
 )
 
 T = TypeVar("T")
+# The stale tensors a failed run's diagnosis lists (a sync that skipped a whole model would name hundreds).
+STALE_SHOWN = 50
 
 
 class RunStopped(BaseException):
@@ -231,6 +240,10 @@ class Trainer:
         diagnosis = {}
         if isinstance(e, WorkerOutOfMemory):  # what the planner says of it is added by whoever holds a planner
             diagnosis = {"diagnosis": {"kind": "out of memory", "call": e.what, "rank": e.who, **e.memory,
+                                       "at": time.time()}}
+        elif isinstance(e, WorkerStaleWeights):
+            diagnosis = {"diagnosis": {"kind": "stale weights", "call": e.what, "rank": e.who, "engine": e.engine,
+                                       "count": len(e.tensors), "tensors": e.tensors[:STALE_SHOWN],
                                        "at": time.time()}}
         try:
             self.run.write_status("failed", stage="failed", finished=time.time(), error=error,

@@ -34,7 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from backend.core.config import Config, to_dict, uses_critic
 from backend.engine import distributed
 from backend.engine.rank import MarkedRows, concat_marked, out_of_memory, python_stacks, step_counts
-from backend.rollout.base import RolloutBatch, SamplingParams, left_pad, right_pad
+from backend.rollout.base import RolloutBatch, SamplingParams, StaleWeightsError, left_pad, right_pad
 from backend.rollout.episodes import Episode
 
 Batch = dict[str, torch.Tensor]
@@ -74,6 +74,15 @@ class WorkerOutOfMemory(WorkerError):
                     f"allocated) of the {m['device_gib']:.2f} GiB of its {m['gpu']}")
         phase = f" (phase {m['phase']}{held})" if m else ""
         super().__init__(f"{who} ran out of memory during {what}{phase}: {type(cause).__name__}: {cause}")
+
+
+class WorkerStaleWeights(WorkerError):
+    """A rank's rollout engine kept weights other than the actor's after a sync: which rank, in which call,
+    which engine and which of the actor's tensors."""
+
+    def __init__(self, who: str, what: str, cause: StaleWeightsError):
+        self.who, self.what, self.engine, self.tensors = who, what, cause.engine, cause.tensors
+        super().__init__(f"{who} failed during {what}: StaleWeightsError: {cause}")
 
 
 # How long the stacks of a rank may take to come back: a rank that does not answer is stopped, or stuck in
@@ -398,6 +407,8 @@ class WorkerGroup:
                     cause = e.cause if getattr(e, "cause", None) is not None else e
                     if out_of_memory(cause):
                         raise WorkerOutOfMemory(self._who(index[ref]), what, cause) from e
+                    if isinstance(cause, StaleWeightsError):
+                        raise WorkerStaleWeights(self._who(index[ref]), what, cause) from e
                     raise WorkerError(f"{self._who(index[ref])} failed during {what}: "
                                       f"{type(cause).__name__}: {cause}") from e
             if progress is not None and pending:

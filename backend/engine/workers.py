@@ -197,10 +197,7 @@ class ActorRolloutRefWorker(RankWorker):
         model = lora.unwrap(self.actor)
         self.rollout.load_weights(model)
         if stale := self.rollout.stale_tensors(model):
-            engine = "vLLM" if isinstance(self.rollout, VLLMEngine) else "the workbench engine"
-            shown = ", ".join(stale[:4]) + (f" and {len(stale) - 4} more" if len(stale) > 4 else "")
-            raise StaleWeightsError(f"after the weight sync {engine}'s copy of {len(stale)} of the "
-                                    f"actor's tensors differs from the actor's: {shown}")
+            raise StaleWeightsError("vLLM" if isinstance(self.rollout, VLLMEngine) else "the workbench engine", stale)
 
     def _vllm_turn(self, prompts: list[list[int]], params: SamplingParams, row_ids: list[int]) -> RolloutBatch:
         """One lockstep turn on vLLM, pushing the weights before the first (vLLM stays awake for the rest)."""

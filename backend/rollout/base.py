@@ -23,7 +23,18 @@ from backend.core.models import amp_context
 
 class StaleWeightsError(RuntimeError):
     """A rollout engine's copy of the weights differs from the actor's after a weight sync: it would generate
-    from weights other than those being trained."""
+    from weights other than those being trained. `engine` names the engine, `tensors` the actor's tensors whose
+    copy differs."""
+
+    def __init__(self, engine: str, tensors: list[str]):
+        self.engine, self.tensors = engine, list(tensors)
+        shown = ", ".join(tensors[:4]) + (f" and {len(tensors) - 4} more" if len(tensors) > 4 else "")
+        super().__init__(f"after the weight sync {engine}'s copy of {len(tensors)} of the actor's tensors "
+                         f"differs from the actor's: {shown}")
+
+    def __reduce__(self):
+        # Ray hands a worker's exception to the controller pickled: rebuild it from what it was made of.
+        return type(self), (self.engine, self.tensors)
 
 
 # Values of each tensor the weight check compares: about this many, evenly strided through it. A sync that
