@@ -22,7 +22,7 @@ from backend.core.vllm_support import INSTALL
 from backend.engine import distributed
 from backend.engine.worker_group import _merge
 from backend.engine.workers import ActorRolloutRefWorker
-from backend.rollout.base import RolloutBatch, SamplingParams, StaleWeightsError, concat_rows
+from backend.rollout.base import RolloutBatch, SamplingParams, concat_rows
 from backend.rollout.vllm_engine import (
     VLLMEngine,
     hf_weights,
@@ -34,7 +34,7 @@ from backend.rollout.vllm_engine import (
 )
 
 from .conftest import tiny_overrides
-from .test_workers import one_rank_worker, padded_batch
+from .test_workers import one_rank_worker, padded_batch, second_generation_is_stale
 
 # ---- validation ----
 
@@ -415,16 +415,9 @@ def test_a_vllm_sync_that_left_a_layer_behind_fails_the_step_naming_vllm_and_tha
                 p.data.copy_(first.setdefault(name, p.detach().clone()))
 
     monkeypatch.setattr(VLLMEngine, "load_weights", sync_skipping_layer_0)
-    prompts = [tiny_tokenizer("1 + 2 =")["input_ids"]]
-    params = SamplingParams(n=2, max_new_tokens=4, seed=1)
     try:
-        assert worker.generate(prompts, params, first_row=0)["responses"].shape[0] == 2  # a first push is whole
-        with torch.no_grad():
-            for p in worker.actor.parameters():
-                p.add_(torch.ones_like(p) * 1e-2)
-        with pytest.raises(StaleWeightsError, match=r"after the weight sync vLLM's copy of \d+ of the actor's "
-                                                    r"tensors differs from the actor's: model\.layers\.0\."):
-            worker.generate(prompts, params, first_row=2)
+        second_generation_is_stale(worker, tiny_tokenizer, r"after the weight sync vLLM's copy of \d+ of the actor's "
+                                                           r"tensors differs from the actor's: model\.layers\.0\.")
     finally:
         worker.shutdown()
 

@@ -419,12 +419,19 @@ def test_a_weight_sync_that_skips_a_layer_fails_generation_naming_the_engine_and
                 v.copy_(first.setdefault(k, v.clone()))
 
     monkeypatch.setattr(StaticCacheEngine, "load_weights", sync_skipping_layer_0)
-    prompts = [tiny_tokenizer("1 + 2 =")["input_ids"]]
+    second_generation_is_stale(worker, tiny_tokenizer, r"after the weight sync the workbench engine's copy of 11 "
+                                                       r"of the actor's tensors differs from the actor's: "
+                                                       r"model\.layers\.0\.")
+
+
+def second_generation_is_stale(worker: ActorRolloutRefWorker, tokenizer, match: str) -> None:
+    """A first generation (its sync whole), every actor weight moved as an update would, then a generation whose
+    sync the worker must find stale, raising what `match` says."""
+    prompts = [tokenizer("1 + 2 =")["input_ids"]]
     params = SamplingParams(n=2, max_new_tokens=4, seed=1)
-    assert worker.generate(prompts, params, first_row=0)["responses"].shape[0] == 2  # a first copy is whole
+    assert worker.generate(prompts, params, first_row=0)["responses"].shape[0] == 2
     with torch.no_grad():
         for p in worker.actor.parameters():
             p.add_(torch.ones_like(p) * 1e-2)
-    with pytest.raises(StaleWeightsError, match=r"after the weight sync the workbench engine's copy of 11 of the "
-                                                r"actor's tensors differs from the actor's: model\.layers\.0\."):
+    with pytest.raises(StaleWeightsError, match=match):
         worker.generate(prompts, params, first_row=2)
