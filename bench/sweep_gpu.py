@@ -4,15 +4,16 @@ another, and with early stopping against the full grid (docs/sweeps.md, "Measure
     python bench/sweep_gpu.py packed  --out OUT/packed.json  [sweep options] [config overrides]
     python bench/sweep_gpu.py alone   --out OUT/alone.json   [sweep options] --only KEY=VALUE [overrides]
     python bench/sweep_gpu.py halving --out OUT/halving.json [sweep options] [config overrides]
-    python bench/sweep_gpu.py report OUT/packed.json OUT/alone.json OUT/halving.json --out OUT/sweep.json
+    python bench/sweep_gpu.py report OUT/packed*.json OUT/alone.json OUT/halving.json --out OUT/sweep.json
 
-`packed` runs the whole grid with as many trials at once as the planner fits; `halving` does the same with
-successive-halving early stopping; `alone` runs trials one at a time (all of them, or with `--only` the grid
-points where KEY has VALUE: the few that predict the rest when a full sequential pass does not fit in the time
-there is). Each writes the sweep's wall time (from the first trial's launch to the last one's end) and each
-trial's settings, state, result, steps, run time and the planner's prediction. `report` predicts the sequential
-time of the packed grid from the alone trials (each packed trial costs what an alone trial with the same value
-of `--by` cost, on average), and prints the ratios.
+`packed` runs the grid with as many trials at once as the planner fits (or `--parallel N`); `halving` does the
+same with successive-halving early stopping; `alone` runs trials one at a time. With `--only KEY=VALUE` a mode
+runs only the grid points where KEY has VALUE: a part of the grid, when the whole does not fit in the time one
+call has. Each writes the sweep's wall time (from the first trial's launch to the last one's end) and each
+trial's settings, state, result, steps, run time and the planner's prediction. `report` adds up the parts of
+the packed grid given to it (their walls, their trials, the best of all), predicts the sequential time of that
+grid from the alone trials (each packed trial costs what an alone trial with the same value of `--by` cost, on
+average), and compares the halving sweep's time and best setting with the full grid's.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def run(mode: str, args: argparse.Namespace) -> dict:
         (only,) = sweeps.parse_grid([args.only])
         params = [only if p.key == only.key else p for p in params]
     spec = sweeps.SweepSpec(params=params, metric=args.metric, direction="max", steps=args.steps,
-                            parallel=1 if mode == "alone" else 0,
+                            parallel=1 if mode == "alone" else args.parallel,
                             early_stopping="halving" if mode == "halving" else "off", min_steps=args.min_steps)
     base = load_config(args.config, args.overrides)
     runs_root = Path(args.runs_root)
@@ -61,6 +62,7 @@ def run(mode: str, args: argparse.Namespace) -> dict:
     best = sweep["best"]
     return {"mode": mode, "state": state, "sweep_wall_s": round(wall, 1), "config": args.config,
             "overrides": args.overrides, "grid": args.grid, "only": args.only, "steps": args.steps,
+            "parallel": spec.parallel, "min_steps": args.min_steps,
             "metric": args.metric, "best": {"values": best.values, "value": best.value} if best else None,
             "trial_s_total": round(sum(t["run_s"] or 0 for t in trials), 1), "trials": trials}
 
@@ -89,11 +91,16 @@ def progress(sweep: dict) -> str:
 
 
 def report(paths: list[str], by: str) -> dict:
-    results = {r["mode"]: r for r in (json.loads(Path(p).read_text()) for p in paths)}
-    packed, alone = results["packed"], results.get("alone")
-    out: dict = {"packed_wall_s": packed["sweep_wall_s"], "packed_best": packed["best"],
+    results: dict[str, list[dict]] = {}
+    for path in paths:
+        result = json.loads(Path(path).read_text())
+        results.setdefault(result["mode"], []).append(result)
+    packed = combined(results["packed"])
+    out: dict = {"packed_parts": len(results["packed"]), "packed_wall_s": packed["sweep_wall_s"],
+                 "packed_trial_s": packed["trial_s_total"], "packed_best": packed["best"],
                  "oom_trials": [t["number"] for t in packed["trials"] if "out of memory" in (t["reason"] or "")]}
-    if alone:
+    if "alone" in results:
+        alone = combined(results["alone"])
         cost: dict[str, list[float]] = {}
         for t in alone["trials"]:
             cost.setdefault(str(t["values"][by]), []).append(t["run_s"])
@@ -101,13 +108,26 @@ def report(paths: list[str], by: str) -> dict:
         out.update(alone_run_s=cost, sequential_predicted_s=round(predicted, 1),
                    alone_sweep_wall_s=alone["sweep_wall_s"],
                    throughput_ratio=round(predicted / packed["sweep_wall_s"], 2))
-    halving = results.get("halving")
-    if halving:
-        out.update(halving_wall_s=halving["sweep_wall_s"], halving_best=halving["best"],
+    if "halving" in results:
+        halving = combined(results["halving"])
+        out.update(halving_wall_s=halving["sweep_wall_s"], halving_trial_s=halving["trial_s_total"],
+                   halving_best=halving["best"],
+                   halving_pruned=[t["number"] for t in halving["trials"] if t["state"] == "pruned"],
                    halving_wall_share=round(halving["sweep_wall_s"] / packed["sweep_wall_s"], 3),
                    halving_trial_s_share=round(halving["trial_s_total"] / packed["trial_s_total"], 3),
                    same_best=(halving["best"] or {}).get("values") == (packed["best"] or {}).get("values"))
     return out
+
+
+def combined(parts: list[dict]) -> dict:
+    """Parts of one grid run one after another, as one sweep: walls and trial times add up, the best is the best
+    trial of any part (ties go to the first part's)."""
+    trials = [t for part in parts for t in part["trials"]]
+    done = [t for t in trials if t["state"] == "complete" and t["value"] is not None]
+    best = max(done, key=lambda t: t["value"]) if done else None
+    return {"sweep_wall_s": round(sum(p["sweep_wall_s"] for p in parts), 1),
+            "trial_s_total": round(sum(p["trial_s_total"] for p in parts), 1), "trials": trials,
+            "best": {"values": best["values"], "value": best["value"]} if best else None}
 
 
 def table(result: dict) -> str:
@@ -129,7 +149,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--config", default=RECIPE)
     p.add_argument("--grid", nargs="+", default=GRID)
-    p.add_argument("--only", help="alone: only the grid points where KEY=VALUE")
+    p.add_argument("--only", help="only the grid points where KEY=VALUE")
+    p.add_argument("--parallel", type=int, default=0, help="packed, halving: trials at once (0: as many as fit)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--metric", default="val/accuracy")
     p.add_argument("--min-steps", type=int, default=10, help="halving: the first rung's step")
