@@ -248,6 +248,9 @@ class RolloutConfig:
                                        "activations and KV cache; the FSDP actor, reference and optimizer live in "
                                        "the rest. In (0, 1).", gt=0)
     multi_turn: MultiTurnConfig = _section(MultiTurnConfig)
+    n_gpus_per_node: int = _f(1, "With trainer.rollout_mode=async: the rollout engine's own workers (GPUs, or "
+                              "processes on the CPU), beside trainer.n_gpus_per_node of the actor (as verl's "
+                              "one-step-off rollout.n_gpus_per_node).", min=1)
 
 
 @dataclass
@@ -288,8 +291,9 @@ class FilterGroupsConfig:
 class RolloutCorrectionConfig:
     rollout_is: str | None = _f("token", "Truncated importance sampling between the rollout engine and the "
                                 "trainer (verl's rollout correction, TRL's vllm_importance_sampling_correction): "
-                                "with an engine that returns its sampling log-probs (vllm), each token's policy "
-                                "loss is multiplied by min(exp(old_log_prob - rollout_log_prob), "
+                                "with an engine that returns its sampling log-probs (vllm, and every engine on "
+                                "the rollout workers of trainer.rollout_mode=async), each token's policy loss is "
+                                "multiplied by min(exp(old_log_prob - rollout_log_prob), "
                                 "rollout_is_threshold). token: on, per token; null: off (the mismatch metrics "
                                 "rollout/* are logged either way).", choices=("token",))
     rollout_is_threshold: float = _f(2.0, "Cap of the importance-sampling weight (TIS).", gt=0)
@@ -437,6 +441,15 @@ class TrainerConfig:
     device: str = _f("auto", "auto picks cuda when present, else cpu.", choices=("auto", "cpu", "cuda"))
     seed: int = _f(0, "Seed of sampling and initialisation.")
     n_gpus_per_node: int = _f(1, "Workers per node: GPUs, or processes when trainer.device is cpu.", min=1)
+    rollout_mode: str = _f("colocated", "colocated: the rollout engine lives in the actor's workers and generates "
+                           "between updates. async: it gets its own workers (actor_rollout_ref.rollout."
+                           "n_gpus_per_node), the weights go there by broadcast after each update, and with "
+                           "trainer.max_staleness=1 the next step's responses are generated while this step trains.",
+                           choices=("colocated", "async"))
+    max_staleness: int = _f(1, "With trainer.rollout_mode=async: how many updates behind the actor a batch's "
+                            "weights may be. 1: generate step k+1 while step k trains (one-step-off; the update "
+                            "corrects with truncated importance weights against the rollout's log-probs). 0: "
+                            "generate, then train (synchronous, on split workers).", min=0)
     nnodes: int = _f(1, "Nodes of the Ray cluster to use.", min=1)
     ray_address: str = _f("", "Ray cluster to join (host:6379, or auto for the one `ray start` made on this "
                           "machine); empty starts a private Ray in the training process.")
@@ -837,8 +850,32 @@ def validate_config(cfg: Config) -> None:
     if world >= 1 and cfg.trainer.debug.attach_rank >= world:
         problems.append(f"trainer.debug.attach_rank={cfg.trainer.debug.attach_rank} is not a worker rank: this run "
                         f"has ranks 0 to {world - 1}")
+    problems.extend(_async_problems(cfg))
     if problems:
         raise ConfigError(problems)
+
+
+def _async_problems(cfg: Config) -> list[str]:
+    """What trainer.rollout_mode=async does not run with: each of these generates on the actor's weights inside a
+    step (or trains weights the broadcast does not carry)."""
+    problems = []
+    if cfg.trainer.max_staleness > 1:
+        problems.append(f"trainer.max_staleness={cfg.trainer.max_staleness} is not allowed: 0 (synchronous) or 1 "
+                        "(one step off), the staleness whose weights the rollout workers can hold while the actor "
+                        "trains")
+    if cfg.trainer.rollout_mode != "async":
+        return problems
+    arr, unsupported = cfg.actor_rollout_ref, []
+    if arr.rollout.multi_turn.enable:
+        unsupported.append("actor_rollout_ref.rollout.multi_turn.enable")
+    if cfg.algorithm.filter_groups.enable:
+        unsupported.append("algorithm.filter_groups.enable")
+    if cfg.algorithm.adv_estimator == "remax":
+        unsupported.append("algorithm.adv_estimator=remax")
+    if arr.model.lora_rank > 0:
+        unsupported.append("actor_rollout_ref.model.lora_rank > 0")
+    return problems + [f"trainer.rollout_mode=async does not run with {key}: use trainer.rollout_mode=colocated, or "
+                       "turn it off" for key in unsupported]
 
 
 # ---- for the UI: YAML text in, config and messages out ----

@@ -76,6 +76,25 @@ def init_process_group(rank: int, world_size: int, store_host: str, store_port: 
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
 
 
+def transfer_group(store_host: str, store_port: int, rank: int, size: int, device: torch.device) -> dist.ProcessGroup:
+    """A process group of its own between the actor's rank 0 (rank 0 here) and the rollout workers, for moving
+    weights (trainer.rollout_mode=async): outside the actor's group, whose collectives involve only the actor's
+    ranks. NCCL between GPUs, gloo between CPU processes; it meets at the store `meeting_store` serves."""
+    store = dist.PrefixStore("weights", dist.TCPStore(store_host, store_port, is_master=False, timeout=_MEET_TIMEOUT))
+    if device.type == "cuda":
+        return dist.ProcessGroupNCCL(store, rank, size)
+    return dist.ProcessGroupGloo(store, rank, size, _MEET_TIMEOUT)
+
+
+def broadcast_tensors(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
+    """Rank 0's tensors into every other rank's, in place, one after another (every rank passes tensors of the
+    same shapes and dtypes, in the same order)."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    for t in tensors:
+        group.broadcast([t], options).wait()
+
+
 def param_dtype(setting: str, device: torch.device) -> torch.dtype:
     """The dtype parameters are gathered and computed in: unless told otherwise, bf16 on GPUs and on CPUs
     with bf16 matrix instructions (AVX512-BF16 or AMX: there a bf16 matrix product ran 4.5 times as fast

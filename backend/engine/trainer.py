@@ -43,6 +43,7 @@ from backend.engine.replay import StepDump
 from backend.engine.step_log import TableWriter, rollout_rows, token_rows
 from backend.engine.step_metrics import batch_metrics, stats, summary_line, timer
 from backend.engine.worker_group import (
+    PendingGeneration,
     Stall,
     WorkerError,
     WorkerGroup,
@@ -172,6 +173,10 @@ class Trainer:
         if ckpt is not None:
             self.stage(f"resuming from {ckpt.name}", force=True)
             self._load(ckpt)
+        # trainer.rollout_mode=async: the actor's updates so far, those in the rollout workers' weights (None: no
+        # push yet), and the next step's generation while it runs (a resumed run generates its first batch anew).
+        self._updates, self._rollout_version = self.start_step, None
+        self._pending: PendingBatch | None = None
         self._ready = True
 
     def _dataset(self, files: list[str]) -> data.PromptDataset:
@@ -392,6 +397,8 @@ class Trainer:
         scoring happens here: a group whose responses all score the same is dropped (its advantages are all
         0) and more prompts are drawn, up to max_num_gen_batches rounds, until data.train_batch_size groups
         are kept."""
+        if self.cfg.trainer.rollout_mode == "async":
+            return self._async_rollout(step, timings)
         fg, params = self.cfg.algorithm.filter_groups, self._sampling(step)
         want = self.cfg.data.train_batch_size
         kept_items: list[dict] = []
@@ -429,6 +436,42 @@ class Trainer:
         return Rollout(kept_items, concat_rows(kept_batches, self.tokenizer.pad_token_id),
                        finished((kept_texts, concat_scored(kept_scores))),
                        {"batch/dynamic_sampling_rounds": round_ + 1, "batch/kept_groups": len(kept_items)})
+
+    def _async_rollout(self, step: int, timings: dict[str, float]) -> Rollout:
+        """trainer.rollout_mode=async: the step's batch from the rollout workers, sampled by weights at most
+        trainer.max_staleness updates behind the actor's. With max_staleness=1 the next step's generation starts
+        (on the weights of the update before this one) as soon as this batch is in, and runs while this step
+        trains; the update's importance weights correct for the gap."""
+        if self._pending is None:  # the first step, a resumed run's first, or every step at max_staleness=0
+            self._launch(step, timings)
+        pending, self._pending = self._pending, None
+        with timer("gen", timings):
+            batch = self.workers.collect(pending.generation, progress=self._generation_stage)
+        if self.cfg.trainer.max_staleness and step < self.total_steps:
+            self._launch(step + 1, timings)
+        metrics = {"rollout/staleness": self._updates - batch.weights_version,
+                   "rollout/weights_version": batch.weights_version}
+        return Rollout(pending.items, batch, in_background(functools.partial(
+            self._decode_and_score, pending.items, batch, timings, None)), metrics, None)
+
+    def _launch(self, step: int, timings: dict[str, float] | None = None) -> None:
+        """Start generating `step`'s batch on the rollout workers, after giving them the actor's weights if
+        theirs are older."""
+        self._push_weights(timings)
+        before = self.sampler.state_dict()
+        items = [self.train_set[i] for i in self.sampler.next_batch()]
+        generation = self.workers.launch([it["prompt_ids"] for it in items], self._sampling(step))
+        self._pending = PendingBatch(step, items, generation, before)
+
+    def _push_weights(self, timings: dict[str, float] | None = None) -> None:
+        """The actor's current weights to the rollout workers, unless they hold them already. A push waits for a
+        generation the workers are running (they take calls in order)."""
+        if self.cfg.trainer.rollout_mode != "async" or self._rollout_version == self._updates:
+            return
+        self.stage("broadcasting the weights to the rollout workers", force=True)
+        with timer("weight_push", timings if timings is not None else {}):
+            self.workers.push_weights(self._updates)
+        self._rollout_version = self._updates
 
     def _generate(self, items: list[dict], params: SamplingParams, timings: dict[str, float] | None = None
                   ) -> tuple[RolloutBatch, list[Episode] | None]:
@@ -515,6 +558,7 @@ class Trainer:
             actor_metrics, marked = self.workers.update_actor(
                 {**tensors, **marks}, **shape,
                 progress=lambda done, total: self.stage(f"updating micro-batch {done}/{total} (rank 0)"))
+        self._updates += 1
         self._check_finite(step, actor_metrics)
         return {**metrics, **actor_metrics}, marked
 
@@ -591,6 +635,7 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Greedy accuracy on the configured validation rows (data.val_files, data.val_max_samples)."""
+        self._push_weights()
         self.stage("validating", force=True)
         result = evaluate(self.rollout, self.tokenizer, self.val_items, self.cfg.data.max_response_length,
                           custom_fn=self.custom_fn, gsm8k_scorer=self.cfg.reward.gsm8k_scorer,
@@ -604,6 +649,7 @@ class Trainer:
         self.setup()
         if data_file is None:
             return self.validate()
+        self._push_weights()
         return self._generator().evaluate(
             data_file, limit=limit, max_new_tokens=self.cfg.data.max_response_length,
             max_prompt_length=self.cfg.data.max_prompt_length, batch_size=self.cfg.data.val_batch_size,
@@ -614,6 +660,7 @@ class Trainer:
                  max_new_tokens: int | None = None) -> list[list[str]]:
         """Answers of the current weights to user prompts (chat template applied; temperature 0 = greedy)."""
         self.setup()
+        self._push_weights()
         prompts = [prompts] if isinstance(prompts, str) else prompts
         return self._generator().generate(prompts, n=n, temperature=temperature,
                                           max_new_tokens=max_new_tokens or self.cfg.data.max_response_length)
@@ -628,7 +675,10 @@ class Trainer:
         try:
             self.workers.save_checkpoint(tmp)
             self.tokenizer.save_pretrained(tmp / checkpoint.HF)
-            state = {"step": step, "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctrl.value,
+            # The next step's batch, if its generation has started, is not in the checkpoint: resumed, the run
+            # draws the same prompts again and generates them anew.
+            sampler = self._pending.sampler_before if self._pending else self.sampler.state_dict()
+            state = {"step": step, "sampler": sampler, "kl_coef": self.kl_ctrl.value,
                      "seed": self.cfg.trainer.seed, "world_size": self.workers.world_size}
             (tmp / "trainer_state.json").write_text(json.dumps(state))
         except BaseException:
@@ -673,6 +723,17 @@ class Trainer:
 
 
 # ---- helpers of the loop ----
+
+@dataclasses.dataclass
+class PendingBatch:
+    """A step's batch being generated ahead of it (trainer.rollout_mode=async): its prompts, the generation, and
+    the sampler's state before they were drawn (what a checkpoint saved meanwhile keeps)."""
+
+    step: int
+    items: list[dict]
+    generation: PendingGeneration
+    sampler_before: dict
+
 
 @dataclasses.dataclass
 class Rollout:

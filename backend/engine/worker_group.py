@@ -188,6 +188,8 @@ def _start_ray(cfg: Config) -> None:
                               "~/.ray/auth_token (or RAY_AUTH_TOKEN)") from None
         return
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    if cfg.trainer.rollout_mode == "async":
+        world += cfg.actor_rollout_ref.rollout.n_gpus_per_node
     package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
     # address="local": always a new private instance, even where `ray start` left a cluster address behind.
@@ -267,8 +269,19 @@ def _rank_class(cls: type, built_by_start: bool) -> type:
     return Rank
 
 
+@dataclasses.dataclass
+class PendingGeneration:
+    """A generation started on the rollout workers (trainer.rollout_mode=async) and not yet collected."""
+
+    refs: list
+    prompts: list[list[int]]
+    params: SamplingParams
+
+
 class WorkerGroup:
-    """`trainer.nnodes x trainer.n_gpus_per_node` ranks, placed together, one torch.distributed group."""
+    """`trainer.nnodes x trainer.n_gpus_per_node` ranks, placed together, one torch.distributed group; with
+    trainer.rollout_mode=async, `actor_rollout_ref.rollout.n_gpus_per_node` rollout workers beside them, which
+    generate while the actor's ranks train and get the weights by broadcast from the actor's rank 0."""
 
     def __init__(self, cfg: Config, total_steps: int, pad_id: int,
                  on_head_lost: Callable[[str], None] | None = None, on_stall: Callable[[Stall], None] | None = None):
@@ -277,6 +290,7 @@ class WorkerGroup:
         interrupt before Ray ends the process, so what must be recorded is recorded there.
         on_stall(stall) runs when a call has run past trainer.stall_warning_s (or five times its recent
         median, once that is over a minute), and again, final, before trainer.hang_timeout_s fails it."""
+        from backend.engine.rollout_worker import RolloutWorker
         from backend.engine.workers import ActorRolloutRefWorker
 
         start_ray(cfg)
@@ -285,29 +299,40 @@ class WorkerGroup:
         self._durations: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=20))
         self.pad_id = pad_id  # the controller's tokenizer's, for re-padding what the ranks return
         self.world_size = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+        self.rollout_world = cfg.actor_rollout_ref.rollout.n_gpus_per_node if cfg.trainer.rollout_mode == "async" else 0
         self.device = worker_device(cfg)
         local = not cfg.trainer.ray_address
+        bundles = self.world_size + self.rollout_world
         if self.device == "cuda":
             bundle = {"GPU": 1, "CPU": 1}
         else:
             # A private Ray on this machine: the ranks share its cores (each sets its torch threads to its share).
-            bundle = {"CPU": max(1, (os.cpu_count() or 1) // self.world_size) if local else 1}
-        self._check_resources(bundle)
-        self.placement = placement_group([bundle] * self.world_size, strategy="PACK")
+            bundle = {"CPU": max(1, (os.cpu_count() or 1) // bundles) if local else 1}
+        self._check_resources(bundle, bundles)
+        self.placement = placement_group([bundle] * bundles, strategy="PACK")
         try:
             ray.get(self.placement.ready(), timeout=_PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             ray.util.remove_placement_group(self.placement)
-            raise WorkerError(f"Ray could not place {self.world_size} workers of {bundle} within "
+            raise WorkerError(f"Ray could not place {bundles} workers of {bundle} within "
                               f"{_PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {_resources()}") from None
         self._stores: list = []
         master_addr, master_port = self._meeting_point()
         # With a critic or a reward model, each bundle (a GPU, or a share of the cores) holds one rank of
         # each role, colocated as in verl, sharing the bundle's resources equally.
         share = 1.0 / (1 + uses_critic(cfg) + cfg.reward_model.enable)
+        transfer = None
+        self.rollouts = []
+        if self.rollout_world:
+            transfer_addr, transfer_port = self._meeting_point()
+            transfer = (transfer_addr, transfer_port, self.rollout_world)
+            self.rollouts = self._spawn(
+                RolloutWorker, bundle, 1.0, transfer_addr, transfer_port,
+                lambda r, addr, port: (to_dict(cfg), r, self.rollout_world, addr, port, self.device),
+                count=self.rollout_world, first_bundle=self.world_size)
         self.workers = self._spawn(ActorRolloutRefWorker, bundle, share, master_addr, master_port,
                                    lambda r, addr, port: (to_dict(cfg), r, self.world_size, addr, port, self.device,
-                                                          total_steps))
+                                                          total_steps, transfer))
         self.critics = []
         if uses_critic(cfg):
             from backend.engine.critic import CriticWorker
@@ -325,8 +350,8 @@ class WorkerGroup:
                 rm.model.path, rm.micro_batch_size_per_gpu, cfg.actor_rollout_ref.actor.fsdp_config.param_dtype,
                 self.device, cfg.data.max_prompt_length + cfg.data.max_response_length))
         # Dropping the group (or the Trainer holding it) stops the ranks and frees their placement.
-        self._stop = weakref.finalize(self, _stop, [*self.workers, *self.critics, *self.reward_models],
-                                      self.placement)
+        self._stop = weakref.finalize(self, _stop, [*self.workers, *self.rollouts, *self.critics,
+                                                    *self.reward_models], self.placement)
         # The trainer's main thread learns of a lost head as an interrupt, the way it learns of Ctrl-C.
         def lost(message: str) -> None:
             if on_head_lost is not None:
@@ -335,7 +360,11 @@ class WorkerGroup:
 
         self.head = HeadWatch(ray.get_runtime_context().gcs_address, lost)
         self.where: list[dict] = [{"rank": r} for r in range(self.world_size)]
-        self.where = self._run([w.start.remote() for w in self.workers], "start-up")
+        self.rollout_where: list[dict] = [{"rank": r} for r in range(self.rollout_world)]
+        # One call for both: the actor's rank 0 and the rollout workers meet in their group as they start.
+        started = self._run([w.start.remote() for w in [*self.workers, *self.rollouts]], "start-up",
+                            names=self._names())
+        self.where, self.rollout_where = started[:self.world_size], started[self.world_size:]
         self._run([c.start.remote() for c in self.critics], "critic start-up")
         self._run([m.start.remote() for m in self.reward_models], "reward model start-up")
 
@@ -347,34 +376,45 @@ class WorkerGroup:
         self._stores.append(store)
         return host, store.port
 
-    def _spawn(self, cls: type, bundle: dict, share: float, addr: str, port: int, args: Callable) -> list:
-        """One Ray actor of `cls` per rank, rank r in bundle r of the placement with `share` of its resources."""
+    def _spawn(self, cls: type, bundle: dict, share: float, addr: str, port: int, args: Callable,
+               count: int | None = None, first_bundle: int = 0) -> list:
+        """One Ray actor of `cls` per rank (`count`, or the group's world size), rank r in bundle first_bundle + r
+        of the placement with `share` of its resources."""
         on_gpu = bool(bundle.get("GPU"))
         remote_cls = ray.remote(concurrency_groups={"monitor": 1})(_rank_class(cls, built_by_start=not on_gpu))
         return [remote_cls.options(
                     num_cpus=bundle["CPU"] * share, num_gpus=bundle.get("GPU", 0) * share, max_restarts=0,
                     runtime_env=None if on_gpu else {"env_vars": {"GLIBC_TUNABLES": CPU_MALLOC_TUNABLES}},
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement,
-                                                                         placement_group_bundle_index=r),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.placement, placement_group_bundle_index=first_bundle + r),
                 ).remote(*args(r, addr, port))
-                for r in range(self.world_size)]
+                for r in range(self.world_size if count is None else count)]
 
-    def _check_resources(self, bundle: dict) -> None:
+    def _check_resources(self, bundle: dict, count: int) -> None:
         have = _resources()
         for name, amount in bundle.items():
-            if have.get(name, 0) < amount * self.world_size:
+            if have.get(name, 0) < amount * count:
                 hint = ("lower trainer.n_gpus_per_node x trainer.nnodes, or join a larger cluster with "
                         "trainer.ray_address") if name == "GPU" else "lower trainer.n_gpus_per_node"
-                raise WorkerError(f"this run needs {self.world_size} worker(s) with {amount:g} {name} each, but the "
-                                  f"Ray cluster has {have.get(name, 0):g} {name}: {hint}")
+                if self.rollout_world:
+                    hint = ("train with trainer.rollout_mode=colocated (the rollout engine in the actor's workers), "
+                            "lower trainer.n_gpus_per_node or actor_rollout_ref.rollout.n_gpus_per_node, or join a "
+                            "larger cluster with trainer.ray_address")
+                what = (f"{self.world_size} actor worker(s) and {self.rollout_world} rollout worker(s)"
+                        if self.rollout_world else f"{count} worker(s)")
+                raise WorkerError(f"this run needs {what} with {amount:g} {name} each, but the Ray cluster has "
+                                  f"{have.get(name, 0):g} {name}: {hint}")
 
     # ---- calling the ranks ----
 
-    def _run(self, refs: list, what: str, progress: Callable | None = None) -> list:
-        """Results of one call on every rank, in rank order. Polls rank 0's progress meanwhile; the
-        first rank to fail fails the call, and every rank is stopped (a survivor may be blocked in a
-        collective waiting for the dead one)."""
+    def _run(self, refs: list, what: str, progress: Callable | None = None, names: list[str] | None = None,
+             reporter=None) -> list:
+        """Results of one call on every rank, in rank order. Polls `reporter`'s progress meanwhile (the actor's
+        rank 0 unless given); the first rank to fail fails the call, and every rank is stopped (a survivor may
+        be blocked in a collective waiting for the dead one). `names`: who each call went to, when not the
+        actor's ranks in order."""
         index = {ref: r for r, ref in enumerate(refs)}
+        who = (lambda i: names[i]) if names is not None else self._who
         pending = list(refs)
         last = None
         began, stalled = time.monotonic(), None
@@ -396,23 +436,23 @@ class WorkerGroup:
                 except ray.exceptions.RayActorError as e:
                     self.shutdown()
                     if getattr(e, "actor_init_failed", False):
-                        raise WorkerError(f"{self._who(index[ref])} failed during {what}: {_raised(e)}") from None
-                    raise WorkerError(f"{self._who(index[ref])} died during {what}: {_death_reason(e)}") from None
+                        raise WorkerError(f"{who(index[ref])} failed during {what}: {_raised(e)}") from None
+                    raise WorkerError(f"{who(index[ref])} died during {what}: {_death_reason(e)}") from None
                 except ray.exceptions.RayTaskError as e:
                     died = self._death_among([r for r in refs if r is not ref], index)
                     self.shutdown()
                     if died is not None:
                         rank, error = died
-                        raise WorkerError(f"{self._who(rank)} died during {what}: {_death_reason(error)}") from None
+                        raise WorkerError(f"{who(rank)} died during {what}: {_death_reason(error)}") from None
                     cause = e.cause if getattr(e, "cause", None) is not None else e
                     if out_of_memory(cause):
-                        raise WorkerOutOfMemory(self._who(index[ref]), what, cause) from e
+                        raise WorkerOutOfMemory(who(index[ref]), what, cause) from e
                     if isinstance(cause, StaleWeightsError):
-                        raise WorkerStaleWeights(self._who(index[ref]), what, cause) from e
-                    raise WorkerError(f"{self._who(index[ref])} failed during {what}: "
+                        raise WorkerStaleWeights(who(index[ref]), what, cause) from e
+                    raise WorkerError(f"{who(index[ref])} failed during {what}: "
                                       f"{type(cause).__name__}: {cause}") from e
             if progress is not None and pending:
-                state = self._progress()
+                state = self._progress(reporter or self.workers[0])
                 # rank 0 reports (kind, numbers...); a report left from an earlier call has another kind
                 if state and state[0] == what and state != last:
                     progress(*state[1:])
@@ -438,6 +478,7 @@ class WorkerGroup:
         stacks = [f"=== controller (pid {os.getpid()} on {socket.gethostname()})\n{text}"]
         ranks = []
         named = [(self._who(r).removeprefix("worker "), w) for r, w in enumerate(self.workers)]
+        named += [(f"rollout rank {r}", w) for r, w in enumerate(self.rollouts)]
         named += [(f"critic rank {r}", c) for r, c in enumerate(self.critics)]
         refs = [w.stacks.remote() for _, w in named]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_STACKS_WAIT_S)
@@ -474,17 +515,20 @@ class WorkerGroup:
                 continue
         return None
 
-    def _progress(self) -> tuple:
+    def _progress(self, worker) -> tuple:
         try:
-            return ray.get(self.workers[0].progress.remote(), timeout=5)
+            return ray.get(worker.progress.remote(), timeout=5)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
             return ()
 
     def _who(self, rank: int) -> str:
         """'worker rank r (pid p on host)', or '(not started)' before its start-up call has returned."""
-        w = self.where[rank]
-        place = f"pid {w['pid']} on {w['host']}" if "pid" in w else "not started"
-        return f"worker rank {rank} ({place})"
+        return _named("worker rank", rank, self.where[rank])
+
+    def _names(self) -> list[str]:
+        """Who each of the actor's ranks and then each rollout worker is, for a call to all of them."""
+        return [*(self._who(r) for r in range(self.world_size)),
+                *(_named("rollout rank", r, w) for r, w in enumerate(self.rollout_where))]
 
     def _each(self, method: str, args_per_rank: list[tuple], what: str, progress: Callable | None = None) -> list:
         return self._run([getattr(w, method).remote(*args) for w, args in zip(self.workers, args_per_rank,
@@ -497,13 +541,47 @@ class WorkerGroup:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, progress=None) -> RolloutBatch:
         """n responses per prompt, each rank answering a contiguous share of the prompts (the rollout
-        engine interface, so validation and evaluation use the group as they use a local engine)."""
-        shares = _split_counts(len(prompts), self.world_size)
-        starts = [sum(shares[:r]) for r in range(self.world_size)]
-        args = [(prompts[s:s + c], params, s * params.n) for s, c in zip(starts, shares, strict=True)]
-        report = None if progress is None else (lambda done, rows, tokens, most: progress(
-            done, len(prompts) * params.n, tokens, most))
-        parts = [p for p in self._each("generate", args, "generation", report) if p]
+        engine interface, so validation and evaluation use the group as they use a local engine): the actor's
+        ranks, or with trainer.rollout_mode=async the rollout workers, on the weights they hold."""
+        if self.rollouts:
+            return self.collect(self.launch(prompts, params), progress)
+        args = _generation_shares(prompts, params, self.world_size)
+        return self._joined(prompts, params, self._each("generate", args, "generation", _rows_report(
+            progress, prompts, params)))
+
+    def launch(self, prompts: list[list[int]], params: SamplingParams) -> PendingGeneration:
+        """Start generating on the rollout workers and return at once (trainer.rollout_mode=async)."""
+        args = _generation_shares(prompts, params, self.rollout_world)
+        return PendingGeneration([w.generate.remote(*a) for w, a in zip(self.rollouts, args, strict=True)],
+                                 prompts, params)
+
+    def collect(self, pending: PendingGeneration, progress=None) -> RolloutBatch:
+        """The batch a `launch` started, once every rollout worker has answered; its `weights_version` is the
+        number of updates in the weights that sampled it."""
+        names = [_named("rollout rank", r, w) for r, w in enumerate(self.rollout_where)]
+        parts = self._run(pending.refs, "generation", _rows_report(progress, pending.prompts, pending.params),
+                          names=names, reporter=self.rollouts[0])
+        versions = {p["version"] for p in parts if p}
+        if len(versions) != 1:
+            raise WorkerError(f"the rollout workers generated one batch from different weights: versions {versions}")
+        return dataclasses.replace(self._joined(pending.prompts, pending.params, parts), weights_version=versions.pop())
+
+    def push_weights(self, version: int) -> None:
+        """The actor's weights (after `version` updates) to every rollout worker by broadcast from the actor's
+        rank 0; each tensor's checksum on every rollout worker is compared with the actor's, so a broadcast that
+        left a tensor behind fails here, naming it, before anything samples from it."""
+        refs = [w.send_weights.remote() for w in self.workers] + \
+               [w.receive_weights.remote(version) for w in self.rollouts]
+        results = self._run(refs, "weight broadcast", names=self._names())
+        sent = results[0]
+        for r, received in enumerate(results[self.world_size:]):
+            if stale := [name for name in sent if received.get(name) != sent[name]]:
+                raise WorkerStaleWeights(_named("rollout rank", r, self.rollout_where[r]), "weight broadcast",
+                                         StaleWeightsError("the rollout worker", stale))
+
+    def _joined(self, prompts: list[list[int]], params: SamplingParams, parts: list[dict]) -> RolloutBatch:
+        """One batch from the ranks' shares, re-padded with the controller's pad id."""
+        parts = [p for p in parts if p]
         pad = self.pad_id
         width = max(p["responses"].shape[1] for p in parts)
         responses = torch.cat([right_pad(list(p["responses"]), width, pad) for p in parts])
@@ -607,6 +685,25 @@ class WorkerGroup:
             self._stop.detach()
             return
         self._stop()
+
+
+def _named(role: str, rank: int, where: dict) -> str:
+    place = f"pid {where['pid']} on {where['host']}" if "pid" in where else "not started"
+    return f"{role} {rank} ({place})"
+
+
+def _generation_shares(prompts: list[list[int]], params: SamplingParams, ranks: int) -> list[tuple]:
+    """Each rank's (prompts, params, first row): a contiguous share, the first row its global row id."""
+    shares = _split_counts(len(prompts), ranks)
+    starts = [sum(shares[:r]) for r in range(ranks)]
+    return [(prompts[s:s + c], params, s * params.n) for s, c in zip(starts, shares, strict=True)]
+
+
+def _rows_report(progress: Callable | None, prompts: list, params: SamplingParams) -> Callable | None:
+    """Rank 0's progress (rows done of its share, tokens) as the whole batch's rows."""
+    if progress is None:
+        return None
+    return lambda done, rows, tokens, most: progress(done, len(prompts) * params.n, tokens, most)
 
 
 def _stop(workers: list, placement) -> None:

@@ -20,7 +20,7 @@ import torch._functorch.config
 from backend.algos.losses import agg_loss, get_policy_loss_fn, kl_penalty, rollout_is_weights
 from backend.core import checkpoint, lora
 from backend.core.config import Config, from_dict
-from backend.core.models import load_model, load_tokenizer, resolve_model
+from backend.core.models import load_model, load_tokenizer
 from backend.engine import distributed
 from backend.engine.log_probs import response_log_probs
 from backend.engine.rank import (
@@ -35,8 +35,9 @@ from backend.engine.rank import (
     step_counts,
     to_device,
 )
+from backend.engine.rollout_worker import build_rollout_engine, checksums, engine_name
 from backend.rollout import static_cache
-from backend.rollout.base import HFGenerateEngine, RolloutBatch, SamplingParams, StaleWeightsError, eos_ids_of
+from backend.rollout.base import RolloutBatch, SamplingParams, StaleWeightsError
 from backend.rollout.episodes import Episode, EpisodeSetup, play_episodes, run_episodes
 from backend.rollout.vllm_engine import VLLMEngine
 
@@ -47,7 +48,7 @@ class ActorRolloutRefWorker(RankWorker):
     """Rank `rank` of `world_size`. `device` is "cuda" (the one GPU Ray gave this process) or "cpu"."""
 
     def __init__(self, cfg: dict, rank: int, world_size: int, master_addr: str, master_port: int,
-                 device: str, total_steps: int):
+                 device: str, total_steps: int, transfer: tuple[str, int, int] | None = None):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # per-file bars from every rank would flood the run's log
@@ -101,7 +102,17 @@ class ActorRolloutRefWorker(RankWorker):
                     model.set_attn_implementation("eager")
         self.tokenizer = load_tokenizer(arr.model.path, arr.model.tokenizer_path)
         self.episode_setup = EpisodeSetup.of(self.cfg, self.tokenizer) if arr.rollout.multi_turn.enable else None
-        self.rollout = self._rollout_engine(dtype)
+        max_len = self.cfg.data.max_prompt_length + self.cfg.data.max_response_length
+        if self.episode_setup is not None:
+            max_len += self.episode_setup.renderer.tools_tokens  # an episode's first prompt offers the tools
+        # With trainer.rollout_mode=async the rollout workers generate (rollout_worker); rank 0 sends them the
+        # weights over a group of their own, `transfer` = (host, port, number of rollout workers).
+        self.rollout = None if transfer else build_rollout_engine(self.cfg, self.actor, self.tokenizer, self.device,
+                                                                  dtype, max_len, arr.rollout.free_cache_engine)
+        self.transfer, self.compute_dtype = None, dtype
+        if transfer and rank == 0:
+            host, port, rollout_ranks = transfer
+            self.transfer = distributed.transfer_group(host, port, 0, rollout_ranks + 1, self.device)
         self.temperature = arr.rollout.temperature
         self.compiled = compile_layers
         self.width_multiple = COMPILED_WIDTH_MULTIPLE if compile_layers else 1
@@ -110,27 +121,6 @@ class ActorRolloutRefWorker(RankWorker):
         self._progress: tuple = ()
         self._peaks = PeakMemory(self.device)
         self._phase = self._peaks.phase
-
-    def _rollout_engine(self, dtype: torch.dtype):
-        r = self.cfg.actor_rollout_ref.rollout
-        max_len = self.cfg.data.max_prompt_length + self.cfg.data.max_response_length
-        if self.episode_setup is not None:
-            max_len += self.episode_setup.renderer.tools_tokens  # an episode's first prompt offers the tools
-        if r.name == "vllm":
-            base = lora.unwrap(self.actor)
-            return VLLMEngine(resolve_model(self.cfg.actor_rollout_ref.model.path), eos_ids_of(base, self.tokenizer),
-                              self.tokenizer.pad_token_id, self.device, dtype, max_len,
-                              gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.generation_batch_size,
-                              enforce_eager=r.enforce_eager, sleep=r.free_cache_engine, seed=self.cfg.trainer.seed)
-        reason = static_cache.unsupported_reason(self.actor.config)
-        if r.name == "hf" or (r.name == "auto" and reason):
-            return HFGenerateEngine(self.actor, self.tokenizer, r.generation_batch_size, device=self.device,
-                                    autocast=False)
-        if reason:
-            raise ValueError(f"actor_rollout_ref.rollout.name=workbench cannot run this model: {reason}")
-        return static_cache.StaticCacheEngine(lora.unwrap(self.actor), self.tokenizer, r.generation_batch_size,
-                                        self.device, dtype, max_len=max_len, cuda_graphs=not r.enforce_eager,
-                                        free_after_generate=r.free_cache_engine)
 
     @staticmethod
     def _gathered(model, once: bool):
@@ -197,7 +187,19 @@ class ActorRolloutRefWorker(RankWorker):
         model = lora.unwrap(self.actor)
         self.rollout.load_weights(model)
         if stale := self.rollout.stale_tensors(model):
-            raise StaleWeightsError("vLLM" if isinstance(self.rollout, VLLMEngine) else "the workbench engine", stale)
+            raise StaleWeightsError(engine_name(self.rollout), stale)
+
+    @torch.no_grad()
+    def send_weights(self) -> dict[str, tuple[float, float]]:
+        """The actor's whole weights, broadcast from rank 0 to the rollout workers (trainer.rollout_mode=async).
+        Every rank gathers (a collective); rank 0 returns each tensor's checksum as sent, the others nothing."""
+        with distributed.unsharded(self.actor):
+            if self.transfer is None:
+                return {}
+            # The rollout workers hold the compute dtype, which the gathered weights are already in on GPUs.
+            weights = [(name, p.to(self.compute_dtype)) for name, p in self.actor.named_parameters()]
+            distributed.broadcast_tensors(self.transfer, [p for _, p in weights])
+            return checksums(weights)
 
     def _vllm_turn(self, prompts: list[list[int]], params: SamplingParams, row_ids: list[int]) -> RolloutBatch:
         """One lockstep turn on vLLM, pushing the weights before the first (vLLM stays awake for the rest)."""

@@ -7,7 +7,7 @@ The batch layout every later phase uses (B = prompts x n, P = longest prompt, R 
     responses       (B, R)      response token ids (pad after the end)
     response_mask   (B, R)      1 up to and including the EOS token
     rollout_log_probs (B, R)    the engine's log-prob of each sampled token, fp32, 0 at padding (engines
-                                that report them: vllm)
+                                that report them: vllm; and every rollout worker of trainer.rollout_mode=async)
 """
 
 from __future__ import annotations
@@ -98,6 +98,9 @@ class RolloutBatch:
     # (B, R) fp32, the sampling engine's own log-probs of the response tokens, 0 at padding; None when the
     # engine does not report them. The update corrects for their mismatch with the trainer's (rollout IS).
     rollout_log_probs: torch.Tensor | None = None
+    # How many updates the weights that sampled the batch had (the rollout workers' of trainer.rollout_mode=async);
+    # None where the actor's own weights sampled it.
+    weights_version: int | None = None
 
     @property
     def prompt_length(self) -> int:
