@@ -29,7 +29,7 @@ from backend.core.config import load_config  # noqa: E402
 from backend.core.runs import read_metrics  # noqa: E402
 from backend.engine.trainer import Trainer  # noqa: E402
 
-PHASES = ["gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "step"]
+PHASES = ["gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "weight_push", "step"]
 
 # Qwen3-0.6B's architecture (the performance workload), with random weights.
 QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -91,8 +91,10 @@ def measure(config: str, overrides: list[str], steps: int, label: str = "", mode
     gen_tokens = [m["response_length/mean"] * cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
                   for m in counted]
     row["gen_tokens_per_step"] = round(statistics.median(gen_tokens))
+    # With trainer.rollout_mode=async, timing_s/gen is what the step waited for a batch generated meanwhile.
     row["gen_tokens_per_s"] = round(statistics.median(t / m["timing_s/gen"] for t, m in zip(gen_tokens, counted,
-                                                                                          strict=True)), 1)
+                                                                                          strict=True)), 1) \
+        if cfg.trainer.rollout_mode == "colocated" else None
     row["step_times_s"] = [round(m["timing_s/step"], 2) for m in counted]
     # Each counted step's phases: which phase a slow step lost its time in (the medians cannot say).
     row["step_phases_s"] = [{p: round(m[f"timing_s/{p}"], 3) for p in PHASES if f"timing_s/{p}" in m} for m in counted]
@@ -105,7 +107,8 @@ def measure(config: str, overrides: list[str], steps: int, label: str = "", mode
     row["first_step"] = {k: metrics[0].get(k) for k in ("critic/score/mean", "response_length/mean", "actor/pg_loss",
                                                          "actor/kl_loss", "actor/entropy", "actor/grad_norm")}
     # A rollout engine with its own log-probs (vllm): how far they are from the trainer's, each step.
-    for key in ("rollout/log_prob_diff_mean", "rollout/is_weight_mean", "rollout/is_clipfrac"):
+    for key in ("rollout/log_prob_diff_mean", "rollout/is_weight_mean", "rollout/is_weight_max", "rollout/is_clipfrac",
+                "rollout/staleness"):
         if any(key in m for m in metrics):
             row[key] = [m.get(key) for m in metrics]
     return row
