@@ -50,6 +50,11 @@ CHARTS = {
     "Time per phase (s)": "timing_s/*",
     "Throughput (tokens/s)": ["perf/throughput"],
     "Supervised loss (python -m backend sft)": ["sft/loss"],
+    # Runs whose rollout engine reports its own log-probs (vLLM, or trainer.rollout_mode=async).
+    "Staleness (updates behind the actor)": ["rollout/staleness"],
+    "Importance weights (trainer over rollout)": ["rollout/is_weight_mean", "rollout/is_weight_max",
+                                               "rollout/is_clipfrac"],
+    "Log-prob gap (trainer minus rollout)": ["rollout/log_prob_diff_mean"],
     # Multi-turn runs only (a chart with none of its keys is not drawn).
     "Turns per episode": ["num_turns/mean", "multi_turn/assistant_turns/mean"],
     "Tool calls per episode and success rate": ["tool/calls_per_episode/mean", "tool/success_rate",
@@ -229,9 +234,10 @@ def live_status() -> None:
                        f"may be stuck in '{stage}'. Check the log below.")
     else:
         st.markdown(f"**{state}** · {steps}" + (f" · {status['note']}" if status.get("note") else ""))
-    if status.get("workers"):
-        st.caption("workers: " + " · ".join(f"rank {w.get('rank')} pid {w.get('pid')} on {w.get('host')} "
-                                             f"({w.get('device')})" for w in status["workers"]))
+    for role, key in (("workers", "workers"), ("rollout workers", "rollout_workers")):
+        if status.get(key):
+            st.caption(f"{role}: " + " · ".join(f"rank {w.get('rank')} pid {w.get('pid')} on {w.get('host')} "
+                                                f"({w.get('device')})" for w in status[key]))
     if state == "running" and status.get("debugger"):
         st.info(f"A worker is waiting for a debugger at **{status['debugger']}**: attach with VS Code's "
                 "'Python Debugger: Remote Attach' to that host and port; the step starts once it attaches.")

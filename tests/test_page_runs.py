@@ -157,6 +157,25 @@ def test_a_multi_turn_run_charts_its_tool_use_and_reports_failed_calls_with_the_
                            "environment error") and "division by zero" in info
 
 
+def test_an_async_run_charts_its_staleness_and_importance_weights_and_lists_its_rollout_workers(home):
+    import json
+
+    lines = [{"step": s, "critic/score/mean": 0.5, "rollout/staleness": min(s - 1, 1), "rollout/is_weight_mean": 1.0,
+              "rollout/is_weight_max": 1.0 + s / 10, "rollout/is_clipfrac": 0.0, "rollout/log_prob_diff_mean": s / 100}
+             for s in (1, 2)]
+    run_dir = write_finished_run(home, "20260101-000000-async", lines)
+    status = json.loads((run_dir / "status.json").read_text())
+    status["rollout_workers"] = [{"rank": 0, "pid": 4100, "host": "node-b", "device": "cuda"}]
+    (run_dir / "status.json").write_text(json.dumps(status))
+    at = page(home).run()
+    assert not at.exception
+    titles = [c.proto.spec for c in at.get("plotly_chart")]
+    for title in ("Staleness (updates behind the actor)", "Importance weights (trainer over rollout)",
+                  "Log-prob gap (trainer minus rollout)"):
+        assert any(title in t for t in titles), title
+    assert any(c.value == "rollout workers: rank 0 pid 4100 on node-b (cuda)" for c in at.caption)
+
+
 def test_dump_the_next_step_asks_a_running_run_and_its_dumps_are_listed_with_the_replay_command(home):
     import json
     import os

@@ -161,7 +161,7 @@ class Trainer:
         self.workers = WorkerGroup(cfg, self.total_steps, pad_id=self.tokenizer.pad_token_id,
                                    on_head_lost=functools.partial(_record_head_lost, self.run),
                                    on_stall=functools.partial(_record_stall, self.run))
-        self.run.write_status("running", workers=self.workers.where)
+        self.run.write_status("running", workers=self.workers.where, rollout_workers=self.workers.rollout_where)
         if os.environ.get(NICE_ENV):
             yield_cpu(int(os.environ[NICE_ENV]))
         self.has_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
