@@ -1,10 +1,14 @@
 """trainer.rollout_mode=async on CPU ranks: the rollout engine on a worker of its own, the weights broadcast to it
 over gloo after each update. At max_staleness=0 it trains exactly as the colocated run; at max_staleness=1 each
-batch is one update old, the staleness and the importance weights are logged, and a resumed run draws the batch
-that was in flight again."""
+batch is one update old, the staleness and the importance weights are logged, a killed rollout worker fails the
+run by name, and a resumed run draws the batch that was in flight again."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -12,11 +16,11 @@ import pytest
 import torch
 
 from backend.core.config import ConfigError, load_config
-from backend.core.runs import read_metrics
+from backend.core.runs import list_checkpoints, read_metrics, read_status
 from backend.engine.rollout_worker import checksums
 from backend.engine.trainer import Trainer
 
-from .conftest import REPO, tiny_overrides
+from .conftest import REPO, tiny_overrides, wait_for
 
 # Two optimizer steps a step (so the old log-probs pass runs), three steps, a checkpoint after each.
 SHAPE = {"data.train_batch_size": 4, "actor_rollout_ref.rollout.n": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
@@ -78,6 +82,35 @@ def test_one_step_off_trains_on_batches_one_update_old_and_corrects_for_them(one
     for step in (1, 2, 3):
         assert prompts(one_step_off, step) == prompts(colocated, step)
     assert all(m["timing_s/weight_push"] > 0 for m in metrics[:2])
+
+
+@pytest.mark.slow  # starts Ray and trains
+def test_a_killed_rollout_worker_fails_the_run_naming_it_and_the_run_resumes_from_its_last_checkpoint(
+        tmp_path, sample_sets):
+    run_dir = tmp_path / "killed"
+    args = tiny_overrides(sample_sets, **{**SHAPE, "trainer.rollout_mode": "async",
+                                          "trainer.total_training_steps": 200})
+    command = [sys.executable, "-m", "backend", "train", "defaults", *args, "--run-dir", str(run_dir)]
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_for(lambda: len(read_metrics(run_dir)) >= 2)
+            victim = read_status(run_dir)["rollout_workers"][0]["pid"]
+            os.kill(victim, signal.SIGKILL)
+            proc.wait(timeout=120)  # the actor's ranks and the controller do not wait on the dead worker
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    status = read_status(run_dir)
+    assert status["state"] == "failed"
+    assert f"rollout rank 0 (pid {victim}" in status["error"] and "died" in status["error"]
+    last = int(list_checkpoints(run_dir)[-1].name.split("_")[1])
+    more = tiny_overrides(sample_sets, **{**SHAPE, "trainer.rollout_mode": "async", "trainer.resume_mode": "auto",
+                                          "trainer.total_training_steps": last + 1})
+    with Trainer(load_config(None, more), run_dir, show_progress=False) as t:
+        t.train()
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, last + 2))
+    assert read_status(run_dir)["state"] == "succeeded"
 
 
 @pytest.mark.slow  # starts Ray and trains
