@@ -57,6 +57,11 @@ OWN_KEYS = frozenset({
     "trainer.runs_root",
     "trainer.device",
     "trainer.seed",
+    # verl overlaps generation and training in recipes of their own (one_step_off_policy, fully_async_policy),
+    # each with its own entry point and keys: main_ppo takes none of these.
+    "trainer.rollout_mode",
+    "trainer.max_staleness",
+    "actor_rollout_ref.rollout.n_gpus_per_node",
 })
 
 # verl key -> our key, for settings both have under different names.
