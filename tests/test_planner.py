@@ -473,3 +473,27 @@ def test_vllm_takes_its_share_of_the_gpu_while_generating_and_none_while_it_slee
                           dims, "cuda", h200, CHOSEN)
     assert all(p.terms[planner.VLLM_SHARE] == share for p in awake.phases if p.runs)
     assert awake.peak_phase == "update" and awake.need_gib > share / GiB
+
+
+def test_async_generation_is_the_rollout_workers_and_overlaps_the_rest_of_the_step():
+    """trainer.rollout_mode=async: the rollout worker holds its copy, the engine's, the cache and its log-prob
+    forward, and none of the actor's state; the actor's workers hold no engine; at max_staleness=1 the step
+    takes the longer of generation and the rest."""
+    apart = planner.plan(tiny(*WORKED, "trainer.rollout_mode=async",
+                              "actor_rollout_ref.rollout.free_cache_engine=false"), gpu="h200", calibration=CHOSEN)
+    c, T, R, bg, rows = 2, 128, 28, 5, 16  # one rollout worker samples all 16 rows, 5 at a time
+    kv = bg * T * L * 2 * HKV * D * c
+    assert not any(k.startswith("rollout engine weights") for k in apart.held)
+    assert apart.phase("generation").terms == {
+        "rollout worker's model (bf16)": c * P, "rollout engine weights (bf16)": c * P, "KV cache": kv,
+        # its forward over micro-batches of 3 rows is larger than the sampling temporaries (5 x V x 26)
+        "logits": 3 * R * V * c, "activations": 3 * T * H * c * 4}
+    flops, bw = 989e12 * 0.5, 4.8e12 * 0.25
+    gen = math.ceil(rows / bg) * (R * (2 * P + 0.5 * kv) / bw + 2 * P * bg * 100 / flops) + 2 * P * rows * T / flops
+    assert apart.phase("generation").seconds == pytest.approx(gen)
+    rest = sum(p.seconds for p in apart.phases if p.runs and p.name != "generation")
+    assert apart.step_seconds == pytest.approx(max(gen, rest))
+    assert "the longer of generation" in apart.step_time_text()
+    in_turn = planner.plan(tiny(*WORKED, "trainer.rollout_mode=async", "trainer.max_staleness=0"), gpu="h200",
+                           calibration=CHOSEN)
+    assert in_turn.step_seconds == pytest.approx(sum(p.seconds for p in in_turn.phases if p.runs))

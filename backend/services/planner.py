@@ -27,6 +27,12 @@ decoder layer P_layer, embeddings + final norm + head P_root), c bytes a value i
                           a layer at a time, on more ranks or offloaded)
     reserved              allocated x fragmentation + CUDA context and workspaces
 
+With trainer.rollout_mode=async generation is the rollout workers' (rows split over
+rollout.n_gpus_per_node of them): each holds cP of its own, the engine's cP (workbench) or vLLM's share, the
+KV cache, and the larger of the sampling temporaries and its log-prob forward (logits, vocabulary pass and
+activations of a rollout micro-batch, no gathered weights); the actor's workers hold no engine. At
+max_staleness=1 the step takes the longer of generation (with that forward) and the rest.
+
 Step time: each decode step reads the engine's weights and, on average, half the KV cache at the GPU's
 memory bandwidth x an efficiency (HF generate adds a fixed overhead per step and layer), prefill and the
 forward passes cost 2P FLOPs a token and the update 6P (8P with checkpointing), at the peak bf16 FLOP/s x
@@ -348,6 +354,7 @@ class Plan:
     host_gib_per_worker: float    # CPU memory a worker's offloaded state takes (GPU plans with offload)
     suggestions: list[Suggestion] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    overlapped: bool = False      # generation runs while the rest trains (trainer.rollout_mode=async, staleness 1)
 
     @property
     def params(self) -> int:
@@ -359,7 +366,12 @@ class Plan:
     def step_time_text(self) -> str:
         if self.step_seconds is None:
             return "step time: not predicted"
-        parts = " + ".join(f"{p.name} {_seconds(p.seconds)}" for p in self.phases if p.runs)
+        ran = [p for p in self.phases if p.runs]
+        if self.overlapped:
+            rest = " + ".join(f"{p.name} {_seconds(p.seconds)}" for p in ran if p.name != "generation")
+            parts = f"the longer of generation {_seconds(self.phase('generation').seconds)} and {rest}"
+        else:
+            parts = " + ".join(f"{p.name} {_seconds(p.seconds)}" for p in ran)
         return (f"step time: {_seconds(self.step_seconds)} = {parts} (rewards, weight sync and the optimizer "
                 "step not counted)")
 
@@ -442,6 +454,9 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
     arr, d = cfg.actor_rollout_ref, cfg.data
     a, r, ref = arr.actor, arr.rollout, arr.ref
     on_gpu = device == "cuda"
+    # trainer.rollout_mode=async: generation runs on rollout workers of their own, which hold the engine; the
+    # actor's workers hold none of it.
+    apart = cfg.trainer.rollout_mode == "async"
     per_node = cfg.trainer.n_gpus_per_node
     W = per_node * cfg.trainer.nnodes
     c = _compute_bytes(a.fsdp_config.param_dtype, device)
@@ -477,9 +492,9 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         held[f"reference shard ({dtype})"] = c * P / W
     # The engine frees its copy with its cache after generating (free_cache_engine): stale once the update runs.
     engine_weights = {f"rollout engine weights ({dtype})": c * P} if engine_copy else {}
-    if not r.free_cache_engine:
+    if not r.free_cache_engine and not apart:
         held.update(engine_weights)
-    if vllm_share and not r.free_cache_engine:
+    if vllm_share and not r.free_cache_engine and not apart:
         held[VLLM_SHARE] = vllm_share
     host_per_worker = (16 * P / W if offload else 0.0) + (c * P / W if has_ref and ref_offload and not lora_rank
                                                           else 0.0)
@@ -508,8 +523,13 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         return {"gathered weights": gathered, "logits": logits_tokens(m) * V * c,
                 **chunk_term(m, 16 if entropy else 8), "activations": m * T * H * c * cal["logprob_activation_copies"]}
 
+    # By tokens (use_dynamic_bsz), a micro-batch holds at most budget // T rows of the longest length.
+    def micro_rows(rows: int, budget: int | None, cap: int) -> int:
+        return min(rows if budget is None else max(1, budget // T), cap)
+
     # ---- each phase's own ----
-    bg = min(r.generation_batch_size, rows_rank)
+    rows_gen = math.ceil(rows / r.n_gpus_per_node) if apart else rows_rank  # rows a generating worker samples
+    bg = min(r.generation_batch_size, rows_gen)
     kv = bg * T * L * 2 * dims.kv_heads * dims.head_dim * c
     decoding = {"KV cache": kv, "sampling temporaries": bg * V * cal["sampling_bytes_per_vocab"]}
     if engine_copy and r.free_cache_engine:
@@ -524,11 +544,22 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
     if engine == "vllm":
         gen = {VLLM_SHARE: vllm_share} if r.free_cache_engine else {"actor weights gathered for the push": c * P}
         notes.append("vLLM's generation time is not predicted (docs/performance.md has what one H200 measured)")
+    m_rollout = micro_rows(r.log_prob_micro_batch_size_per_gpu, arr.log_prob_token_budget(r), rows_gen)
+    if apart:
+        # A rollout worker holds its whole copy, the engine's own (vLLM: its share), and the cache between
+        # generations; after sampling, its forward for the sampled tokens' log-probs (not vLLM, which returns
+        # them) takes the place of the sampling temporaries.
+        gen = {f"rollout worker's model ({dtype})": c * P}
+        if engine == "vllm":
+            gen[VLLM_SHARE] = vllm_share
+        else:
+            forward = {k: v for k, v in forward_terms(m_rollout, entropy=False).items() if k != "gathered weights"}
+            gen.update({**engine_weights, "KV cache": kv, **max({"sampling temporaries": decoding[
+                "sampling temporaries"]}, forward, key=lambda terms: sum(terms.values()))})
+        notes.append(f"trainer.rollout_mode=async: generation is on each of {r.n_gpus_per_node} rollout worker(s); "
+                     "the other phases on the actor's workers")
 
     old_runs = batch_plan(cfg).optimizer_steps_per_step > 1 or cfg.algorithm.use_kl_in_reward
-    # By tokens (use_dynamic_bsz), a micro-batch holds at most budget // T rows of the longest length.
-    def micro_rows(rows: int, budget: int | None, cap: int) -> int:
-        return min(rows if budget is None else max(1, budget // T), cap)
 
     m_old = micro_rows(r.log_prob_micro_batch_size_per_gpu, arr.log_prob_token_budget(r), rows_rank)
     m_ref = micro_rows(ref.log_prob_micro_batch_size_per_gpu, arr.log_prob_token_budget(ref), rows_rank)
@@ -574,8 +605,9 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
             return step_overhead + (c * P + 0.5 * kv) / bw
         return 2 * P * bg / (machine * cal[f"{cpu}decode_efficiency"]) + cal[f"{cpu}decode_layer_overhead_s"] * L
 
-    gen_s = None if engine == "vllm" else seconds(lambda: math.ceil(rows_rank / bg) * (
-        R * decode_step_s() + 2 * P * bg * d.max_prompt_length / flops))
+    gen_s = None if engine == "vllm" else seconds(lambda: math.ceil(rows_gen / bg) * (
+        R * decode_step_s() + 2 * P * bg * d.max_prompt_length / flops)
+        + (2 * P * rows_gen * T / flops + math.ceil(rows_gen / m_rollout) * overhead if apart else 0.0))
 
     def forward_s(m: int) -> float | None:
         return seconds(lambda: 2 * P * tokens / flops + math.ceil(rows_rank / m) * overhead)
@@ -607,7 +639,7 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         except ModelError:  # a Hub id this machine cannot reach: plan without it, and say so
             notes.append("the reward model's size is unknown (its config cannot be read as a causal LM)")
     phases = [
-        Phase("generation", True, terms={**held, **gen}, seconds=gen_s),
+        Phase("generation", True, terms=gen if apart else {**held, **gen}, seconds=gen_s),
         Phase("old log-prob", old_runs, "on-policy with one optimizer step: the update computes them",
               terms={**held, **forward_terms(m_old, entropy=True)}, seconds=forward_s(m_old)),
         Phase("reference log-prob", has_ref, "no reference model (use_kl_loss and use_kl_in_reward are off)",
@@ -627,6 +659,8 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
     peak = max((p for p in phases if p.runs), key=lambda p: p.reserved)
     timed = [p.seconds for p in phases if p.runs]
     step_s = sum(timed) if flops and None not in timed else None
+    if apart and step_s is not None and cfg.trainer.max_staleness:
+        step_s = max(gen_s, step_s - gen_s)  # the next batch generates while this one trains
 
     # ---- verdict ----
     if on_gpu:
@@ -643,9 +677,12 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
             notes.append(f"offloaded to CPU memory: {host_per_worker / GiB:.2f} GiB per worker "
                          f"({host_per_worker * per_node / GiB:.2f} GiB for a node's {per_node})")
     else:
-        need, capacity = peak.reserved * per_node / GiB, _host_memory_gib()
+        actor_peak = max(p.reserved for p in phases if p.runs and not (apart and p.name == "generation"))
+        rollout_need = phases[0].reserved * r.n_gpus_per_node if apart else 0.0
+        need, capacity = (actor_peak * per_node + rollout_need) / GiB, _host_memory_gib()
         fits = capacity is None or need <= capacity
-        need_text = (f"{need:.2f} GiB of host memory for {per_node} worker process{'es' if per_node > 1 else ''} "
+        procs = per_node + (r.n_gpus_per_node if apart else 0)
+        need_text = (f"{need:.2f} GiB of host memory for {procs} worker process{'es' if procs > 1 else ''} "
                      f"({peak.name}; on the CPU, GPU memory does not apply)")
         if capacity is None:
             verdict = f"needs {need_text}"
@@ -657,7 +694,8 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         model=arr.model.path, dims=dims, device=device, gpu=gpu, world_size=W, workers_per_node=per_node,
         compute_bytes=c, rows_per_step=rows, rows_per_rank=rows_rank, seq_len=T, response_len=R, engine=engine,
         held=held, phases=phases, peak_phase=peak.name, need_gib=need, capacity_gib=capacity, fits=fits,
-        verdict=verdict, step_seconds=step_s, host_gib_per_worker=host_per_worker / GiB, notes=notes)
+        verdict=verdict, step_seconds=step_s, host_gib_per_worker=host_per_worker / GiB, notes=notes,
+        overlapped=apart and bool(cfg.trainer.max_staleness))
 
 
 # ---- after a rank ran out of memory ----
