@@ -461,7 +461,7 @@ class Trainer:
         before = self.sampler.state_dict()
         items = [self.train_set[i] for i in self.sampler.next_batch()]
         generation = self.workers.launch([it["prompt_ids"] for it in items], self._sampling(step))
-        self._pending = PendingBatch(step, items, generation, before)
+        self._pending = PendingBatch(items, generation, before)
 
     def _push_weights(self, timings: dict[str, float] | None = None) -> None:
         """The actor's current weights to the rollout workers, unless they hold them already. A push waits for a
@@ -729,7 +729,6 @@ class PendingBatch:
     """A step's batch being generated ahead of it (trainer.rollout_mode=async): its prompts, the generation, and
     the sampler's state before they were drawn (what a checkpoint saved meanwhile keeps)."""
 
-    step: int
     items: list[dict]
     generation: PendingGeneration
     sampler_before: dict
