@@ -19,6 +19,7 @@ from backend.core.config import ConfigError, load_config
 from backend.core.runs import list_checkpoints, read_metrics, read_status
 from backend.engine.rollout_worker import checksums
 from backend.engine.trainer import Trainer
+from backend.services.launcher import launch
 
 from .conftest import REPO, tiny_overrides, wait_for
 
@@ -125,6 +126,74 @@ def test_a_resumed_one_step_off_run_generates_the_batch_that_was_in_flight_again
     assert [m["rollout/staleness"] for m in resumed] == [0, 1]
     assert prompts(tmp_path / "resumed", 2) == prompts(one_step_off, 2)
     assert prompts(tmp_path / "resumed", 3) == prompts(one_step_off, 3)
+
+
+# Loaded by every Python process started with this folder on PYTHONPATH (Ray's workers get the run's): in the
+# rollout worker, the weight broadcast leaves the second tensor as the first broadcast left it, as a broadcast that
+# skipped it would.
+SKIP_ONE_TENSOR = """
+import importlib.abc
+import importlib.util
+import sys
+import types
+
+TARGET = "backend.engine.rollout_worker"
+
+
+def patch(module):
+    real, first = module.distributed, {}
+
+    def broadcast_tensors(group, tensors):
+        real.broadcast_tensors(group, tensors)
+        tensors[1].data.copy_(first.setdefault("kept", tensors[1].detach().clone()))
+
+    module.distributed = types.SimpleNamespace(param_dtype=real.param_dtype, transfer_group=real.transfer_group,
+                                               broadcast_tensors=broadcast_tensors)
+
+
+class Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, Finder())
+"""
+
+
+@pytest.mark.slow  # launches a run
+def test_a_broadcast_that_left_a_tensor_behind_fails_the_run_naming_the_rollout_worker_and_the_tensor(
+        tmp_path, sample_sets, monkeypatch):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SKIP_ONE_TENSOR)
+    monkeypatch.setenv("PYTHONPATH", str(hook))
+    cfg = load_config(None, tiny_overrides(sample_sets, **{**SHAPE, "trainer.rollout_mode": "async",
+                                                            "trainer.max_staleness": 0}))
+    run_dir = launch(cfg, name="stale", runs_root=tmp_path / "runs")
+    wait_for(lambda: (read_status(run_dir) or {}).get("state") in ("failed", "succeeded"))
+    status = read_status(run_dir)
+    # Step 1 sampled from the first broadcast, which was whole; step 2's kept one tensor of step 0 and failed before
+    # anything sampled from it.
+    assert status["state"] == "failed" and status["step"] == 2, status
+    assert [m["step"] for m in read_metrics(run_dir)] == [1]
+    assert status["error"].startswith("WorkerStaleWeights: rollout rank 0 (pid ")
+    assert ("failed during weight broadcast: StaleWeightsError: after the weight sync the rollout worker's copy of "
+            "1 of the actor's tensors differs from the actor's: model.layers.0.self_attn.q_proj.weight"
+            ) in status["error"]
+    d = status["diagnosis"]
+    assert (d["kind"], d["engine"], d["count"], d["tensors"]) == (
+        "stale weights", "the rollout worker", 1, ["model.layers.0.self_attn.q_proj.weight"])
 
 
 def test_what_async_does_not_run_with_is_refused_before_anything_starts(sample_sets):
