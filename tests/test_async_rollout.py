@@ -1,7 +1,8 @@
 """trainer.rollout_mode=async on CPU ranks: the rollout engine on a worker of its own, the weights broadcast to it
 over gloo after each update. At max_staleness=0 it trains exactly as the colocated run; at max_staleness=1 each
-batch is one update old, the staleness and the importance weights are logged, a killed rollout worker fails the
-run by name, and a resumed run draws the batch that was in flight again."""
+batch is one update old, the staleness and the importance weights are logged, a killed rollout worker or a
+broadcast that left a tensor behind fails the run by name, and a resumed run draws the batch that was in flight
+again."""
 
 from __future__ import annotations
 
