@@ -83,6 +83,36 @@ def tool_model(tmp_path_factory) -> Path:
     return out
 
 
+_IMPORT_HOOK = """
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _Finder())
+"""
+
+
+def patching_sitecustomize(target: str, patch: str) -> str:
+    """The text of a sitecustomize.py that runs `patch(module)` (defined in `patch`, the source of a function)
+    on module `target` as it is imported, in every Python process started with its folder on PYTHONPATH: a
+    launched run's workers get the run's, so a fault can be planted inside a Ray worker."""
+    return ("import importlib.abc\nimport importlib.util\nimport sys\n\n"
+            f"TARGET = {target!r}\n\n" + patch.strip("\n") + "\n" + _IMPORT_HOOK)
+
+
 def wait_for(predicate, timeout: float = 240.0, every_s: float = 0.05) -> None:
     """Poll `predicate` every `every_s` seconds until it is true; fail the test after `timeout` seconds."""
     deadline = time.time() + timeout

@@ -22,7 +22,7 @@ from backend.engine.rollout_worker import checksums
 from backend.engine.trainer import Trainer
 from backend.services.launcher import launch
 
-from .conftest import REPO, tiny_overrides, wait_for
+from .conftest import REPO, patching_sitecustomize, tiny_overrides, wait_for
 
 # Two optimizer steps a step (so the old log-probs pass runs), three steps, a checkpoint after each.
 SHAPE = {"data.train_batch_size": 4, "actor_rollout_ref.rollout.n": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
@@ -132,16 +132,10 @@ def test_a_resumed_one_step_off_run_generates_the_batch_that_was_in_flight_again
 # Loaded by every Python process started with this folder on PYTHONPATH (Ray's workers get the run's): in the
 # rollout worker, the weight broadcast leaves the second tensor as the first broadcast left it, as a broadcast that
 # skipped it would.
-SKIP_ONE_TENSOR = """
-import importlib.abc
-import importlib.util
-import sys
-import types
-
-TARGET = "backend.engine.rollout_worker"
-
-
+SKIP_ONE_TENSOR = patching_sitecustomize("backend.engine.rollout_worker", """
 def patch(module):
+    import types
+
     real, first = module.distributed, {}
 
     def broadcast_tensors(group, tensors):
@@ -150,26 +144,7 @@ def patch(module):
 
     module.distributed = types.SimpleNamespace(param_dtype=real.param_dtype, transfer_group=real.transfer_group,
                                                broadcast_tensors=broadcast_tensors)
-
-
-class Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, Finder())
-"""
+""")
 
 
 @pytest.mark.slow  # launches a run

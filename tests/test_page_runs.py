@@ -11,7 +11,7 @@ from streamlit.testing.v1 import AppTest
 from backend.core.config import load_config, to_yaml
 from backend.engine.trainer import Trainer
 
-from .conftest import REPO, tiny_overrides
+from .conftest import REPO, patching_sitecustomize, tiny_overrides
 
 PAGE = str(REPO / "pages/runs.py")
 
@@ -256,14 +256,7 @@ def test_a_run_that_ran_out_of_memory_shows_the_rank_phase_what_it_held_and_what
 
 # Loaded by every Python process started with this folder on PYTHONPATH (Ray's workers get the run's): the
 # workbench engine's weight sync leaves layer 0 as the first sync left it, as a sync that skipped it would.
-SKIP_LAYER_0 = """
-import importlib.abc
-import importlib.util
-import sys
-
-TARGET = "backend.rollout.static_cache"
-
-
+SKIP_LAYER_0 = patching_sitecustomize("backend.rollout.static_cache", """
 def patch(module):
     import torch
 
@@ -276,26 +269,7 @@ def patch(module):
                 v.copy_(first.setdefault(k, v.clone()))
 
     module.StaticCacheEngine.load_weights = load_weights
-
-
-class Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, Finder())
-"""
+""")
 
 
 @pytest.mark.slow
