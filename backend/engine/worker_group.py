@@ -527,8 +527,10 @@ class WorkerGroup:
 
     def _names(self) -> list[str]:
         """Who each of the actor's ranks and then each rollout worker is, for a call to all of them."""
-        return [*(self._who(r) for r in range(self.world_size)),
-                *(_named("rollout rank", r, w) for r, w in enumerate(self.rollout_where))]
+        return [*(self._who(r) for r in range(self.world_size)), *self._rollout_names()]
+
+    def _rollout_names(self) -> list[str]:
+        return [_named("rollout rank", r, w) for r, w in enumerate(self.rollout_where)]
 
     def _each(self, method: str, args_per_rank: list[tuple], what: str, progress: Callable | None = None) -> list:
         return self._run([getattr(w, method).remote(*args) for w, args in zip(self.workers, args_per_rank,
@@ -558,9 +560,8 @@ class WorkerGroup:
     def collect(self, pending: PendingGeneration, progress=None) -> RolloutBatch:
         """The batch a `launch` started, once every rollout worker has answered; its `weights_version` is the
         number of updates in the weights that sampled it."""
-        names = [_named("rollout rank", r, w) for r, w in enumerate(self.rollout_where)]
         parts = self._run(pending.refs, "generation", _rows_report(progress, pending.prompts, pending.params),
-                          names=names, reporter=self.rollouts[0])
+                          names=self._rollout_names(), reporter=self.rollouts[0])
         versions = {p["version"] for p in parts if p}
         if len(versions) != 1:
             raise WorkerError(f"the rollout workers generated one batch from different weights: versions {versions}")
@@ -574,10 +575,9 @@ class WorkerGroup:
                [w.receive_weights.remote(version) for w in self.rollouts]
         results = self._run(refs, "weight broadcast", names=self._names())
         sent = results[0]
-        for r, received in enumerate(results[self.world_size:]):
+        for who, received in zip(self._rollout_names(), results[self.world_size:], strict=True):
             if stale := [name for name in sent if received.get(name) != sent[name]]:
-                raise WorkerStaleWeights(_named("rollout rank", r, self.rollout_where[r]), "weight broadcast",
-                                         StaleWeightsError("the rollout worker", stale))
+                raise WorkerStaleWeights(who, "weight broadcast", StaleWeightsError("the rollout worker", stale))
 
     def _joined(self, prompts: list[list[int]], params: SamplingParams, parts: list[dict]) -> RolloutBatch:
         """One batch from the ranks' shares, re-padded with the controller's pad id."""
@@ -599,9 +599,7 @@ class WorkerGroup:
     def episodes(self, rows: list[dict], params: SamplingParams, progress=None) -> tuple[list[Episode], float]:
         """One episode per row, each rank playing a contiguous share (the environments run on the ranks);
         and the longest any rank's generation waited on environments, in seconds."""
-        shares = _split_counts(len(rows), self.world_size)
-        starts = [sum(shares[:r]) for r in range(self.world_size)]
-        args = [(rows[s:s + c], params, s) for s, c in zip(starts, shares, strict=True)]
+        args = [(rows[s:s + c], params, s) for s, c in _contiguous(len(rows), self.world_size)]
         parts = self._each("episodes", args, "episodes", progress)
         return [e for episodes, _ in parts for e in episodes], max(waited for _, waited in parts)
 
@@ -634,10 +632,9 @@ class WorkerGroup:
 
     def score_with_reward_model(self, messages: list[list[dict]], responses: list[str]) -> list[float]:
         """The reward model's score of each response, each rank scoring a contiguous share."""
-        shares = _split_counts(len(responses), len(self.reward_models))
-        starts = [sum(shares[:r]) for r in range(len(shares))]
         refs = [m.score.remote(messages[s:s + c], responses[s:s + c])
-                for m, s, c in zip(self.reward_models, starts, shares, strict=True) if c]
+                for m, (s, c) in zip(self.reward_models, _contiguous(len(responses), len(self.reward_models)),
+                                     strict=True) if c]
         return [x for part in self._run(refs, "reward model scoring") for x in part]
 
     def update_critic(self, batch: Batch, mini_rows: int, epochs: int, shuffle: bool) -> dict[str, float]:
@@ -694,9 +691,7 @@ def _named(role: str, rank: int, where: dict) -> str:
 
 def _generation_shares(prompts: list[list[int]], params: SamplingParams, ranks: int) -> list[tuple]:
     """Each rank's (prompts, params, first row): a contiguous share, the first row its global row id."""
-    shares = _split_counts(len(prompts), ranks)
-    starts = [sum(shares[:r]) for r in range(ranks)]
-    return [(prompts[s:s + c], params, s * params.n) for s, c in zip(starts, shares, strict=True)]
+    return [(prompts[s:s + c], params, s * params.n) for s, c in _contiguous(len(prompts), ranks)]
 
 
 def _rows_report(progress: Callable | None, prompts: list, params: SamplingParams) -> Callable | None:
@@ -764,8 +759,10 @@ def critic_settings(cfg: Config) -> dict:
             "loss_scale_factor": c.loss_scale_factor or cfg.data.max_response_length}
 
 
-def _split_counts(n: int, parts: int) -> list[int]:
-    return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
+def _contiguous(n: int, parts: int) -> list[tuple[int, int]]:
+    """(first, count) of each of `parts` contiguous shares of n items, as even as they come."""
+    counts = [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
+    return [(sum(counts[:r]), c) for r, c in enumerate(counts)]
 
 
 def _split_even(batch: Batch, parts: int) -> tuple[list[Batch], int]:
