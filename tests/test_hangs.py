@@ -31,7 +31,7 @@ def test_a_rank_stuck_in_a_collective_is_diagnosed_with_every_process_stacks_the
     run_dir = tmp_path / "hung"
     overrides = tiny_overrides(sample_sets, **{
         "trainer.n_gpus_per_node": 2, "trainer.total_training_steps": 50, "data.val_files": "[]",
-        "trainer.stall_warning_s": 4, "trainer.hang_timeout_s": 40, "trainer.export_at_end": False})
+        "trainer.stall_warning_s": 4, "trainer.hang_timeout_s": 20, "trainer.export_at_end": False})
     proc = subprocess.Popen([sys.executable, "-m", "backend", "train", "defaults", *overrides, "--run-dir",
                              str(run_dir)], cwd=REPO, stdout=open(tmp_path / "hung.log", "w"),  # noqa: SIM115
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -59,7 +59,7 @@ def test_a_rank_stuck_in_a_collective_is_diagnosed_with_every_process_stacks_the
         assert proc.wait(timeout=120) != 0
         status = read_status(run_dir)
         assert status["state"] == "failed"
-        assert "hung: still running after trainer.hang_timeout_s=40 s" in status["error"]
+        assert "hung: still running after trainer.hang_timeout_s=20 s" in status["error"]
         assert "rank 1" in status["error"] and "no answer" in status["error"]
         assert status["diagnosis"]["final"]
     finally:
