@@ -49,6 +49,8 @@ CHARTS = {
     "Validation accuracy": "val/*/accuracy",
     "Time per phase (s)": "timing_s/*",
     "Throughput (tokens/s)": ["perf/throughput"],
+    # Non-zero in the steps that compiled: the first, and any whose shapes the compiled graphs did not cover.
+    "torch.compile time in the step (s)": ["perf/compile_s"],
     "Supervised loss (python -m backend sft)": ["sft/loss"],
     # Runs whose rollout engine reports its own log-probs (vLLM, or trainer.rollout_mode=async).
     "Staleness (updates behind the actor)": ["rollout/staleness"],

@@ -28,6 +28,7 @@ CORE_METRICS = [
     "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "actor/pg_loss", "actor/kl_loss",
     "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/lr", "response_length/mean",
     "response_length/clip_ratio", "timing_s/gen", "timing_s/update_actor", "timing_s/step", "perf/throughput",
+    "perf/compile_s", "perf/compiled_graphs",
 ]
 
 

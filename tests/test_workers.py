@@ -20,7 +20,7 @@ from backend.engine.log_probs import (
     response_log_probs,
     token_log_probs,
 )
-from backend.engine.rank import COMPILED_WIDTH_MULTIPLE, MicroBatches
+from backend.engine.rank import COMPILED_WIDTH_MULTIPLE, CompileLedger, MicroBatches
 from backend.engine.workers import ActorRolloutRefWorker
 from backend.rollout.base import SamplingParams, StaleWeightsError, left_pad
 from backend.rollout.static_cache import StaticCacheEngine
@@ -218,6 +218,20 @@ def lengths_mask(prompts: list[int], responses: list[int], prompt_width: int, re
     """An attention mask of left-padded prompts and right-padded responses of these lengths."""
     return torch.stack([torch.cat([torch.arange(prompt_width) >= prompt_width - p, torch.arange(response_width) < r])
                         for p, r in zip(prompts, responses, strict=True)]).long()
+
+
+def test_the_compile_ledger_counts_a_first_compile_and_a_recompile_for_new_shapes_and_nothing_for_repeats():
+    # The step metrics perf/compile_s and perf/compiled_graphs come from this ledger: a step that compiled is
+    # told apart from a slow one. The eager backend: dynamo traces and records as it does before inductor.
+    fn = torch.compile(lambda x: (x * 2).sin(), backend="eager", dynamic=False)
+    ledger = CompileLedger()
+    fn(torch.ones(3))
+    first = ledger.take()
+    assert first["perf/compiled_graphs"] == 1 and first["perf/compile_s"] > 0
+    fn(torch.ones(3))
+    assert ledger.take() == {"perf/compile_s": 0.0, "perf/compiled_graphs": 0.0}
+    fn(torch.ones(4))  # a new shape: the graph's guards fail and it compiles again
+    assert ledger.take()["perf/compiled_graphs"] == 1
 
 
 def test_micro_batches_hold_rows_of_similar_length_each_cut_to_the_columns_its_rows_use():

@@ -1,5 +1,5 @@
 """What every rank worker shares (the actor and the critic): micro-batching, moving a batch to the
-device, per-phase memory peaks, the learning-rate schedule, heap freezing, and the calls the
+device, per-phase memory peaks, torch.compile's work, the learning-rate schedule, heap freezing, and the calls the
 controller makes on any rank while another call runs."""
 
 from __future__ import annotations
@@ -157,6 +157,31 @@ class PeakMemory:
             out["perf/max_memory_allocated_gb"] = max(a for a, _ in self.peaks.values())
             out["perf/max_memory_reserved_gb"] = max(r for _, r in self.peaks.values())
         self.peaks = {}
+        return out
+
+
+class CompileLedger:
+    """torch.compile's work in this process since the last `take`: seconds compiling and graphs compiled. A
+    step that compiles (the first, or one whose shapes its graphs do not cover) is slower by that much, which
+    its phase times alone cannot tell apart from a slow step. Read from dynamo's own records; a process that
+    never imported dynamo compiled nothing, and reading them must not import it (about a second)."""
+
+    def __init__(self):
+        self.seconds, self.graphs = self._totals()
+
+    @staticmethod
+    def _totals() -> tuple[float, int]:
+        utils = sys.modules.get("torch._dynamo.utils")
+        if utils is None:
+            return 0.0, 0
+        times = utils.compilation_time_metrics.get("_compile.compile_inner", [])
+        return sum(times), utils.counters["stats"]["unique_graphs"]
+
+    def take(self) -> dict[str, float]:
+        """perf/compile_s and perf/compiled_graphs since the last call; then starts afresh."""
+        seconds, graphs = self._totals()
+        out = {"perf/compile_s": seconds - self.seconds, "perf/compiled_graphs": float(graphs - self.graphs)}
+        self.seconds, self.graphs = seconds, graphs
         return out
 
 

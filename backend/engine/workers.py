@@ -25,6 +25,7 @@ from backend.engine import distributed
 from backend.engine.log_probs import response_log_probs
 from backend.engine.rank import (
     COMPILED_WIDTH_MULTIPLE,
+    CompileLedger,
     MarkedRows,
     MicroBatches,
     PeakMemory,
@@ -121,6 +122,7 @@ class ActorRolloutRefWorker(RankWorker):
         self._progress: tuple = ()
         self._peaks = PeakMemory(self.device)
         self._phase = self._peaks.phase
+        self._compiles = CompileLedger()
 
     @staticmethod
     def _gathered(model, once: bool):
@@ -364,6 +366,7 @@ class ActorRolloutRefWorker(RankWorker):
         metrics["actor/lr"] = lr
         metrics["actor/skipped_steps"] = float(skipped)
         metrics.update(self.memory())
+        metrics.update(self._compiles.take())
         return metrics, self._marked_rows(marked, first_forward, batch, response_len, one_step=total <= mini_rows)
 
     def _read_metrics(self, means: dict[str, list], peaks: dict[str, list]) -> dict[str, float]:
