@@ -160,6 +160,46 @@ def test_to_verl_command_leaves_out_our_own_keys_and_keeps_the_essentials():
     assert "jsonl" not in command  # not a verl logger
 
 
+def test_an_async_config_one_step_off_is_verls_one_step_off_recipe_and_reads_back():
+    cfg = C.load_config(None, ["trainer.rollout_mode=async", "trainer.n_gpus_per_node=2",
+                               "actor_rollout_ref.rollout.n_gpus_per_node=3"])
+    command = to_verl_command(cfg)
+    assert command.startswith("python3 -m recipe.one_step_off_policy.main_ppo \\\n")
+    lines = [line.strip(" \\") for line in command.splitlines()[1:]]
+    for line in ("actor_rollout_ref.hybrid_engine=False", "rollout.nnodes=1", "rollout.n_gpus_per_node=3",
+                 "trainer.n_gpus_per_node=2"):
+        assert line in lines, line
+    raw, notes = from_verl_script(command)
+    assert notes == []
+    back = C.from_dict(raw)
+    assert (back.trainer.rollout_mode, back.trainer.max_staleness, back.trainer.n_gpus_per_node,
+            back.actor_rollout_ref.rollout.n_gpus_per_node) == ("async", 1, 2, 3)
+    # At staleness 0 nothing overlaps: verl's main_ppo trains the same thing, on the actor's GPUs.
+    on_policy = to_verl_command(C.load_config(None, ["trainer.rollout_mode=async", "trainer.max_staleness=0"]))
+    assert on_policy.startswith("python3 -m verl.trainer.main_ppo")
+    assert "rollout.n_gpus_per_node" not in on_policy and "hybrid_engine" not in on_policy
+
+
+def test_a_one_step_off_recipe_script_reads_as_an_async_run_and_says_what_does_not_carry_over():
+    script = """
+n_gpus_rollout=2
+n_gpus_training=$((8 - n_gpus_rollout))
+python3 -m recipe.one_step_off_policy.main_ppo \\
+    algorithm.adv_estimator=grpo \\
+    actor_rollout_ref.hybrid_engine=False \\
+    actor_rollout_ref.rollout.calculate_log_probs=True \\
+    trainer.n_gpus_per_node=6 \\
+    rollout.nnodes=2 \\
+    rollout.n_gpus_per_node=${n_gpus_rollout}
+"""
+    raw, notes = from_verl_script(script)
+    cfg = C.from_dict(raw)
+    assert (cfg.trainer.rollout_mode, cfg.trainer.max_staleness, cfg.trainer.n_gpus_per_node,
+            cfg.actor_rollout_ref.rollout.n_gpus_per_node) == ("async", 1, 6, 2)
+    assert notes == ["actor_rollout_ref.rollout.calculate_log_probs=True: not supported here",
+                     "rollout.nnodes=2: not supported here"]
+
+
 # ---- CLI ----
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:

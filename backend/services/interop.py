@@ -1,7 +1,8 @@
 """Moving between this workbench and the tools people already use.
 
-    from_verl_script(text)      a verl launch script (`python3 -m verl.trainer.main_ppo key=value ...`)
-                                -> our config dict, plus a message for every key that does not carry over
+    from_verl_script(text)      a verl launch script (`python3 -m verl.trainer.main_ppo key=value ...`, or
+                                its one-step-off recipe's) -> our config dict, plus a message for every key
+                                that does not carry over
     to_verl_command(cfg)        our config -> the verl command line that trains the same thing
     read_trl_output(folder)     a TRL GRPOTrainer output_dir -> metrics (verl names) and rollouts
     read_verl_dump(folder)      verl's rollout dump (trainer.rollout_data_dir: <step>.jsonl) -> rollouts
@@ -57,12 +58,20 @@ OWN_KEYS = frozenset({
     "trainer.runs_root",
     "trainer.device",
     "trainer.seed",
-    # verl overlaps generation and training in recipes of their own (one_step_off_policy, fully_async_policy),
-    # each with its own entry point and keys: main_ppo takes none of these.
+    # verl overlaps generation and training in recipes of their own, each with its own entry point and keys
+    # (ONE_STEP_OFF below): main_ppo takes none of these.
     "trainer.rollout_mode",
     "trainer.max_staleness",
     "actor_rollout_ref.rollout.n_gpus_per_node",
 })
+
+# verl's trainer, and its one-step-off recipe: rollout on GPUs of its own, the next batch generated while this
+# one trains, which is our trainer.rollout_mode=async at trainer.max_staleness=1.
+MAIN_PPO = "verl.trainer.main_ppo"
+ONE_STEP_OFF = "recipe.one_step_off_policy.main_ppo"
+# The recipe's keys for its rollout GPUs -> ours; it also needs actor_rollout_ref.hybrid_engine=False, which
+# is what async means here, and counts its rollout nodes in rollout.nnodes (ours run on one).
+ONE_STEP_OFF_KEYS = {"rollout.n_gpus_per_node": "actor_rollout_ref.rollout.n_gpus_per_node"}
 
 # verl key -> our key, for settings both have under different names.
 RENAMED = {
@@ -129,8 +138,9 @@ def _split(line: str) -> list[str]:
     return list(lex)
 
 
-def _verl_tokens(text: str) -> tuple[list[str], set[str]]:
-    """The arguments after `verl.trainer.main_ppo`, with the script's variables expanded."""
+def _verl_tokens(text: str) -> tuple[list[str], set[str], str]:
+    """The arguments after `verl.trainer.main_ppo` (or the one-step-off recipe's entry point), with the
+    script's variables expanded, and which of the two it is."""
     env: dict[str, str] = {}
     unknown: set[str] = set()
     for line in _logical_lines(text):
@@ -145,15 +155,16 @@ def _verl_tokens(text: str) -> tuple[list[str], set[str]]:
                 name, value = _ASSIGN.match(t).groups()
                 env[name] = value
             continue
-        starts = [i for i, t in enumerate(tokens) if t == "verl.trainer.main_ppo" or t.endswith("main_ppo.py")]
+        starts = [i for i, t in enumerate(tokens) if t in (MAIN_PPO, ONE_STEP_OFF) or t.endswith("main_ppo.py")]
         if starts:
             args = []
             for t in tokens[starts[0] + 1:]:
                 if t in _SHELL_OPS:
                     break
                 args.append(t)
-            return args, unknown
-    raise InteropError("no `python3 -m verl.trainer.main_ppo` command found in the script")
+            entry = tokens[starts[0]]
+            return args, unknown, ONE_STEP_OFF if "one_step_off_policy" in entry else MAIN_PPO
+    raise InteropError(f"no `python3 -m {MAIN_PPO}` (or `python3 -m {ONE_STEP_OFF}`) command found in the script")
 
 
 def _read_value(raw: str) -> Any:
@@ -169,11 +180,13 @@ def _read_value(raw: str) -> Any:
 def from_verl_script(text: str) -> tuple[dict, list[str]]:
     """(our config as a nested dict, messages). The dict holds every `key=value` of the verl command
     that our schema has (under verl's name or a RENAMED one), with verl's "off" values (-1, null) as our
-    0; each message names an override that did not carry over and why. Raises InteropError when the
-    text holds no verl command."""
-    args, unknown_vars = _verl_tokens(text)
+    0; each message names an override that did not carry over and why. The one-step-off recipe's command
+    is our trainer.rollout_mode=async at trainer.max_staleness=1. Raises InteropError when the text holds
+    no verl command."""
+    args, unknown_vars, entry = _verl_tokens(text)
+    one_step_off = entry == ONE_STEP_OFF
     specs = C.field_specs()
-    flat: dict[str, Any] = {}
+    flat: dict[str, Any] = {"trainer.rollout_mode": "async", "trainer.max_staleness": 1} if one_step_off else {}
     notes: list[str] = []
     for arg in args:
         if arg in ("$@", "$*"):
@@ -183,6 +196,11 @@ def from_verl_script(text: str) -> tuple[dict, list[str]]:
             continue
         raw_key, raw = arg.split("=", 1)
         key = RENAMED.get(raw_key.lstrip("+"), raw_key.lstrip("+"))
+        if one_step_off and key == "actor_rollout_ref.hybrid_engine" and _read_value(raw) is False:
+            continue
+        if one_step_off and key == "rollout.nnodes" and _read_value(raw) == 1:
+            continue
+        key = ONE_STEP_OFF_KEYS.get(key, key) if one_step_off else key
         if raw_key.startswith("~") or key not in specs:
             notes.append(f"{arg}: not supported here")
             continue
@@ -229,11 +247,18 @@ def _verl_value(key: str, value: Any) -> Any:
 
 def to_verl_command(cfg: C.Config) -> str:
     """`python3 -m verl.trainer.main_ppo \\` and one `key=value \\` line per setting: every field that
-    differs from our defaults plus the ESSENTIAL ones, under verl's names, leaving out OWN_KEYS.
-    from_verl_script reads it back to the same values."""
+    differs from our defaults plus the ESSENTIAL ones, under verl's names, leaving out OWN_KEYS. A config
+    that generates one step off the policy on workers of its own (trainer.rollout_mode=async,
+    trainer.max_staleness=1) becomes verl's one-step-off recipe with as many rollout GPUs; at staleness 0 it
+    trains as main_ppo does. from_verl_script reads it back to the same values."""
     defaults = C.Config()
     verl_name = {ours: theirs for theirs, ours in RENAMED.items()}
     lines = []
+    entry = MAIN_PPO
+    if cfg.trainer.rollout_mode == "async" and cfg.trainer.max_staleness == 1:
+        entry = ONE_STEP_OFF
+        rollout_gpus = cfg.actor_rollout_ref.rollout.n_gpus_per_node
+        lines = ["actor_rollout_ref.hybrid_engine=False", "rollout.nnodes=1", f"rollout.n_gpus_per_node={rollout_gpus}"]
     for key in C.field_specs():
         value = C.get_value(cfg, key)
         if key in OWN_KEYS and key not in verl_name:
@@ -241,7 +266,7 @@ def to_verl_command(cfg: C.Config) -> str:
         if key not in ESSENTIAL and value == C.get_value(defaults, key):
             continue
         lines.append(shlex.quote(f"{verl_name.get(key, key)}={C.yaml_value(_verl_value(key, value))}"))
-    return " \\\n    ".join(["python3 -m verl.trainer.main_ppo", *lines])
+    return " \\\n    ".join([f"python3 -m {entry}", *lines])
 
 
 # ---- other tools' runs ----
