@@ -10,10 +10,11 @@ another, and with early stopping against the full grid (docs/sweeps.md, "Measure
 same with successive-halving early stopping; `alone` runs trials one at a time. With `--only KEY=VALUE` a mode
 runs only the grid points where KEY has VALUE: a part of the grid, when the whole does not fit in the time one
 call has. Each writes the sweep's wall time (from the first trial's launch to the last one's end) and each
-trial's settings, state, result, steps, run time and the planner's prediction. `report` adds up the parts of
-the packed grid given to it (their walls, their trials, the best of all), predicts the sequential time of that
-grid from the alone trials (each packed trial costs what an alone trial with the same value of `--by` cost, on
-average), and compares the halving sweep's time and best setting with the full grid's.
+trial's settings, state, result, steps, run time, the planner's prediction, and where its start-up went
+(launch to the first step's start, the first step, torch.compile's seconds over the trial). `report` adds up
+the parts of the packed grid given to it (their walls, their trials, the best of all), predicts the sequential
+time of that grid from the alone trials (each packed trial costs what an alone trial with the same value of
+`--by` cost, on average), and compares the halving sweep's time and best setting with the full grid's.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def run(mode: str, args: argparse.Namespace) -> dict:
         trials.append({"number": t.number, "values": t.values, "state": t.state, "value": t.value, "step": t.step,
                        "reason": t.reason, "run_s": round(end - start, 1) if start and end else None,
                        "steps_done": status.get("step"), "gpu_peak_reserved_gib": peak(t.run),
-                       **trial_attrs(folder, t.number)})
+                       **start_up(t.run, start), **trial_attrs(folder, t.number)})
     best = sweep["best"]
     return {"mode": mode, "state": state, "sweep_wall_s": round(wall, 1), "config": args.config,
             "overrides": args.overrides, "grid": args.grid, "only": args.only, "steps": args.steps,
@@ -81,6 +82,19 @@ def peak(run: str | None) -> float | None:
     peaks = [row["perf/max_memory_reserved_gb"] for row in read_metrics(run)
              if "perf/max_memory_reserved_gb" in row]
     return round(max(peaks), 2) if peaks else None
+
+
+def start_up(run: str | None, created: float | None) -> dict:
+    """Where a trial's time before training went: launch to the first step's start (the process, Ray, the
+    workers, loading), the first step, and torch.compile's share of the trial (perf/compile_s summed), the
+    floor no pruner saves."""
+    rows = read_metrics(run) if run else []
+    if not rows or not created:
+        return {}
+    first = rows[0]
+    return {"startup_s": round(first["time"] - first["timing_s/step"] - created, 1),
+            "first_step_s": round(first["timing_s/step"], 1),
+            "compile_s": round(sum(r.get("perf/compile_s", 0.0) for r in rows), 1)}
 
 
 def progress(sweep: dict) -> str:
@@ -132,10 +146,11 @@ def combined(parts: list[dict]) -> dict:
 
 def table(result: dict) -> str:
     keys = sorted({k for t in result["trials"] for k in t["values"]})
-    head = ["#", *(k.rsplit(".", 1)[-1] for k in keys), "state", "step", result["metric"], "run s", "gpu",
-            "predicted GiB", "peak GiB"]
+    head = ["#", *(k.rsplit(".", 1)[-1] for k in keys), "state", "step", result["metric"], "run s", "start-up s",
+            "first step s", "compile s", "gpu", "predicted GiB", "peak GiB"]
     rows = [[t["number"], *(t["values"].get(k) for k in keys), t["state"], t["step"],
-             None if t["value"] is None else round(t["value"], 3), t["run_s"], t.get("gpu"), t.get("predicted_gib"),
+             None if t["value"] is None else round(t["value"], 3), t["run_s"], t.get("startup_s"),
+             t.get("first_step_s"), t.get("compile_s"), t.get("gpu"), t.get("predicted_gib"),
              t["gpu_peak_reserved_gib"]] for t in result["trials"]]
     lines = [" | ".join(map(str, head))] + [" | ".join("-" if v is None else str(v) for v in r) for r in rows]
     return "\n".join(lines) + f"\nsweep {result['state']} in {result['sweep_wall_s']} s; trials' run time summed " \

@@ -180,7 +180,7 @@ class CompileLedger:
     def take(self) -> dict[str, float]:
         """perf/compile_s and perf/compiled_graphs since the last call; then starts afresh."""
         seconds, graphs = self._totals()
-        out = {"perf/compile_s": seconds - self.seconds, "perf/compiled_graphs": float(graphs - self.graphs)}
+        out = {"perf/compile_s": float(seconds - self.seconds), "perf/compiled_graphs": float(graphs - self.graphs)}
         self.seconds, self.graphs = seconds, graphs
         return out
 
