@@ -56,10 +56,11 @@ def run(mode: str, args: argparse.Namespace) -> dict:
     for t in sweep["trials"]:
         status = launcher.read_run(t.run)["status"] if t.run else {}
         start, end = status.get("created"), status.get("finished")
+        rows = read_metrics(t.run) if t.run else []
         trials.append({"number": t.number, "values": t.values, "state": t.state, "value": t.value, "step": t.step,
                        "reason": t.reason, "run_s": round(end - start, 1) if start and end else None,
-                       "steps_done": status.get("step"), "gpu_peak_reserved_gib": peak(t.run),
-                       **start_up(t.run, start), **trial_attrs(folder, t.number)})
+                       "steps_done": status.get("step"), "gpu_peak_reserved_gib": peak(rows),
+                       **start_up(rows, start), **trial_attrs(folder, t.number)})
     best = sweep["best"]
     return {"mode": mode, "state": state, "sweep_wall_s": round(wall, 1), "config": args.config,
             "overrides": args.overrides, "grid": args.grid, "only": args.only, "steps": args.steps,
@@ -75,20 +76,16 @@ def trial_attrs(folder: Path, number: int) -> dict:
     return {k: attrs[k] for k in ("gpu", "predicted_gib", "beside") if k in attrs}
 
 
-def peak(run: str | None) -> float | None:
-    """The largest peak reserved memory the trial's worker reported in any step."""
-    if not run:
-        return None
-    peaks = [row["perf/max_memory_reserved_gb"] for row in read_metrics(run)
-             if "perf/max_memory_reserved_gb" in row]
+def peak(rows: list[dict]) -> float | None:
+    """The largest peak reserved memory the trial's worker reported in any step (`rows`: its metrics)."""
+    peaks = [row["perf/max_memory_reserved_gb"] for row in rows if "perf/max_memory_reserved_gb" in row]
     return round(max(peaks), 2) if peaks else None
 
 
-def start_up(run: str | None, created: float | None) -> dict:
-    """Where a trial's time before training went: launch to the first step's start (the process, Ray, the
-    workers, loading), the first step, and torch.compile's share of the trial (perf/compile_s summed), the
-    floor no pruner saves."""
-    rows = read_metrics(run) if run else []
+def start_up(rows: list[dict], created: float | None) -> dict:
+    """Where a trial's time before training went (`rows`: its metrics): launch to the first step's start (the
+    process, Ray, the workers, loading), the first step, and torch.compile's share of the trial (perf/compile_s
+    summed), the floor no pruner saves."""
     if not rows or not created:
         return {}
     first = rows[0]
