@@ -69,9 +69,10 @@ OWN_KEYS = frozenset({
 # one trains, which is our trainer.rollout_mode=async at trainer.max_staleness=1.
 MAIN_PPO = "verl.trainer.main_ppo"
 ONE_STEP_OFF = "recipe.one_step_off_policy.main_ppo"
-# The recipe's keys for its rollout GPUs -> ours; it also needs actor_rollout_ref.hybrid_engine=False, which
-# is what async means here, and counts its rollout nodes in rollout.nnodes (ours run on one).
+# The recipe's keys for its rollout GPUs -> ours; and what its command always holds for one of our async runs:
+# no hybrid engine (what async means here), and the rollout workers on one node (as ours run).
 ONE_STEP_OFF_KEYS = {"rollout.n_gpus_per_node": "actor_rollout_ref.rollout.n_gpus_per_node"}
+ONE_STEP_OFF_FIXED = {"actor_rollout_ref.hybrid_engine": False, "rollout.nnodes": 1}
 
 # verl key -> our key, for settings both have under different names.
 RENAMED = {
@@ -196,11 +197,10 @@ def from_verl_script(text: str) -> tuple[dict, list[str]]:
             continue
         raw_key, raw = arg.split("=", 1)
         key = RENAMED.get(raw_key.lstrip("+"), raw_key.lstrip("+"))
-        if one_step_off and key == "actor_rollout_ref.hybrid_engine" and _read_value(raw) is False:
-            continue
-        if one_step_off and key == "rollout.nnodes" and _read_value(raw) == 1:
-            continue
-        key = ONE_STEP_OFF_KEYS.get(key, key) if one_step_off else key
+        if one_step_off:
+            if key in ONE_STEP_OFF_FIXED and _read_value(raw) == ONE_STEP_OFF_FIXED[key]:
+                continue
+            key = ONE_STEP_OFF_KEYS.get(key, key)
         if raw_key.startswith("~") or key not in specs:
             notes.append(f"{arg}: not supported here")
             continue
@@ -253,12 +253,11 @@ def to_verl_command(cfg: C.Config) -> str:
     trains as main_ppo does. from_verl_script reads it back to the same values."""
     defaults = C.Config()
     verl_name = {ours: theirs for theirs, ours in RENAMED.items()}
-    lines = []
-    entry = MAIN_PPO
+    entry, lines = MAIN_PPO, []
     if cfg.trainer.rollout_mode == "async" and cfg.trainer.max_staleness == 1:
         entry = ONE_STEP_OFF
-        rollout_gpus = cfg.actor_rollout_ref.rollout.n_gpus_per_node
-        lines = ["actor_rollout_ref.hybrid_engine=False", "rollout.nnodes=1", f"rollout.n_gpus_per_node={rollout_gpus}"]
+        gpus = {theirs: C.get_value(cfg, ours) for theirs, ours in ONE_STEP_OFF_KEYS.items()}
+        lines = [f"{k}={v}" for k, v in {**ONE_STEP_OFF_FIXED, **gpus}.items()]
     for key in C.field_specs():
         value = C.get_value(cfg, key)
         if key in OWN_KEYS and key not in verl_name:

@@ -457,6 +457,7 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
     # trainer.rollout_mode=async: generation runs on rollout workers of their own, which hold the engine; the
     # actor's workers hold none of it.
     apart = cfg.trainer.rollout_mode == "async"
+    overlapped = apart and cfg.trainer.max_staleness > 0  # the next batch generates while this one trains
     per_node = cfg.trainer.n_gpus_per_node
     W = per_node * cfg.trainer.nnodes
     c = _compute_bytes(a.fsdp_config.param_dtype, device)
@@ -659,8 +660,8 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
     peak = max((p for p in phases if p.runs), key=lambda p: p.reserved)
     timed = [p.seconds for p in phases if p.runs]
     step_s = sum(timed) if flops and None not in timed else None
-    if apart and step_s is not None and cfg.trainer.max_staleness:
-        step_s = max(gen_s, step_s - gen_s)  # the next batch generates while this one trains
+    if overlapped and step_s is not None:
+        step_s = max(gen_s, step_s - gen_s)
 
     # ---- verdict ----
     if on_gpu:
@@ -695,7 +696,7 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
         compute_bytes=c, rows_per_step=rows, rows_per_rank=rows_rank, seq_len=T, response_len=R, engine=engine,
         held=held, phases=phases, peak_phase=peak.name, need_gib=need, capacity_gib=capacity, fits=fits,
         verdict=verdict, step_seconds=step_s, host_gib_per_worker=host_per_worker / GiB, notes=notes,
-        overlapped=apart and bool(cfg.trainer.max_staleness))
+        overlapped=overlapped)
 
 
 # ---- after a rank ran out of memory ----
