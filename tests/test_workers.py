@@ -252,24 +252,27 @@ def test_micro_batches_hold_rows_of_similar_length_each_cut_to_the_columns_its_r
     assert torch.equal(joined, mask[:, 6:].float() * (torch.arange(5)[:, None] + 1))
 
 
-def test_micro_batches_for_compiled_layers_are_widened_to_multiples_of_8_columns_or_the_whole_batch():
+def test_micro_batches_for_compiled_layers_are_widened_to_multiples_of_8_columns_past_the_batch_if_need_be():
     """Compiled layers specialise on a width's divisibility by 8; a cut is widened into the padding, left of
-    the prompts first, then right of the responses, never past the batch; no token moves and the joined
-    outputs are the batch's."""
+    the prompts first, then right of the responses, then past the batch's last column with masked zeros; no
+    token moves and the joined outputs are the batch's."""
     mask = lengths_mask([2, 5, 3, 1, 4], [1, 6, 2, 6, 3], prompt_width=6, response_width=7)
-    batch = {"input_ids": torch.arange(5 * 13).view(5, 13), "attention_mask": mask,
+    batch = {"input_ids": torch.arange(1, 5 * 13 + 1).view(5, 13), "attention_mask": mask,
              "response_mask": mask[:, 6:], "token_row": torch.arange(5)}
     plan = MicroBatches(mask, response_len=7, rows=2, width_multiple=COMPILED_WIDTH_MULTIPLE)
     parts = list(plan.split(batch))
-    # Used widths 11, 7 and 3: the first is the whole batch (13 < 16), the others 8 (the last also 1 column
-    # right of its response, its prompt's padding being 4 columns).
-    assert [(tuple(mb["input_ids"].shape), r) for mb, r in parts] == [((2, 13), 7), ((2, 8), 3), ((1, 8), 2)]
+    # Used widths 11, 7 and 3, all widened to multiples of 8: the first to 16, one column left (all its prompts'
+    # padding) and 3 past the batch's 13; the last 1 column right of its response, its prompt's padding being 4.
+    assert [(tuple(mb["input_ids"].shape), r) for mb, r in parts] == [((2, 16), 10), ((2, 8), 3), ((1, 8), 2)]
     for mb, r in parts:
         assert mb["response_mask"].shape == (len(mb["token_row"]), r)
+        inside, extra = min(r, 7), max(r - 7, 0)  # response columns in the batch, and past its last
         for i, row in enumerate(mb["token_row"].tolist()):
             kept = mb["input_ids"][i][mb["attention_mask"][i].bool()]
             assert torch.equal(kept, batch["input_ids"][row][mask[row].bool()])
-            assert torch.equal(mb["input_ids"][i, -r:], batch["input_ids"][row, 6:6 + r])
+            assert torch.equal(mb["input_ids"][i, -r:][:inside], batch["input_ids"][row, 6:6 + inside])
+        if extra:
+            assert not any(mb[k][:, -extra:].any() for k in ("input_ids", "attention_mask", "response_mask"))
     joined = plan.join([mb["response_mask"].float() * (mb["token_row"][:, None] + 1) for mb, _ in parts], 7)
     assert torch.equal(joined, mask[:, 6:].float() * (torch.arange(5)[:, None] + 1))
 

@@ -134,6 +134,11 @@ def shard_model(model: torch.nn.Module, device: torch.device, compute_dtype: tor
     kwargs = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
     if compute_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    if compile_layers:
+        # The layers' float attributes (norm epsilons, attention scaling) are constants. Left unspecialised, as
+        # dynamic=True would have them, Dynamo traces them as symbols, cannot turn them into tensors and traces
+        # each of the layer's first graphs twice ("Restarting analysis due to ... tensorify_python_scalars").
+        torch._dynamo.config.specialize_float = True
     for layer in decoder_layers(model):
         if compile_layers:
             layer.forward = torch.compile(layer.forward, dynamic=True)

@@ -22,8 +22,10 @@ Batch = dict[str, torch.Tensor]
 
 # Compiled layers specialise on whether a micro-batch's width is a multiple of 8 (a guard seen with the flash
 # attention kernel), so cuts of any width compile the layers twice, the second time inside a counted step;
-# widths that are all multiples of 8 compile once, for at most 7 columns of padding a micro-batch. Layers that
-# are not compiled (CPUs) take cuts as they are.
+# widths that are all multiples of 8 compile once, for at most 7 columns of padding a micro-batch. That holds
+# for the batch's widest cut too, which pads past the batch where the batch's own width is not a multiple
+# (its own graph otherwise: another compilation in every run's first step). Layers that are not compiled
+# (CPUs) take cuts as they are.
 COMPILED_WIDTH_MULTIPLE = 8
 
 
@@ -36,7 +38,7 @@ class MicroBatches:
     Each micro-batch holds `rows` rows, or with `max_tokens` (verl's use_dynamic_bsz) as many as fit in
     that many positions once cut, which bounds a pass's activations whatever the responses' lengths.
     A cut is widened to a multiple of `width_multiple` columns (left into the prompts' padding first, then
-    right into the responses'), or to the whole batch where that is narrower.
+    right into the responses', then past the batch's last column with columns of padding).
     `at_least`: the fewest micro-batches (ranks that gather the model layer by layer run their collectives
     once per micro-batch, so they must all run as many). Every row's loss counts the same in whichever
     micro-batch it falls (the losses divide by the step's counts), so the order changes no result beyond
@@ -70,7 +72,7 @@ class MicroBatches:
 
     def _width(self, first: int, end: int) -> int:
         used = max(self._prompt[first:end]) + max(self._response[first:end])
-        return min(-(-used // self.width_multiple) * self.width_multiple, self.columns)
+        return -(-used // self.width_multiple) * self.width_multiple
 
     def __len__(self) -> int:
         return len(self.spans)
@@ -78,7 +80,8 @@ class MicroBatches:
     def split(self, batch: Batch):
         """Each micro-batch of `batch` (its rows in this order, on any device) and its response length:
         input_ids and attention_mask cut to the micro-batch's columns, every other tensor of two or more
-        dimensions (the response-shaped ones) to its response length."""
+        dimensions (the response-shaped ones) to its response length. Columns a cut takes past the batch's
+        last are zeros (attention mask 0)."""
         order = self.order.to(next(iter(batch.values())).device)
         ordered = {k: v[order] for k, v in batch.items()}
         for first, end in self.spans:
@@ -88,18 +91,26 @@ class MicroBatches:
             left = min(wider, start)  # into the prompts' padding first, the rest past the responses
             start, response_len = start - left, response_len + wider - left
             stop = self.prompt_width + response_len
-            yield {k: v[first:end, start:stop] if k in ("input_ids", "attention_mask")
-                   else v[first:end, :response_len] if v.dim() > 1 else v[first:end]
+            yield {k: _widened(v[first:end, start:stop], stop - start) if k in ("input_ids", "attention_mask")
+                   else _widened(v[first:end, :response_len], response_len) if v.dim() > 1 else v[first:end]
                    for k, v in ordered.items()}, response_len
 
     def join(self, parts: list[torch.Tensor], response_len: int) -> torch.Tensor:
         """The micro-batches' (rows, their response length) outputs as one (batch rows, response_len)
-        tensor in the batch's order, 0 past each row's response (whichever micro-batch it fell in)."""
+        tensor in the batch's order, 0 past each row's response (whichever micro-batch it fell in); a part
+        widened past the batch is cut back to response_len (a negative pad)."""
         if not parts:
             return torch.empty(0, response_len)
         out = torch.cat([torch.nn.functional.pad(p, (0, response_len - p.shape[1])) for p in parts])
         inside = torch.arange(response_len) < torch.tensor(self._response)[:, None]
         return torch.where(inside.to(out.device), out, 0.0)[self.order.argsort().to(out.device)]
+
+
+def _widened(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t (rows, columns, ...) with columns of zeros appended up to `width`."""
+    if t.shape[1] >= width:
+        return t
+    return torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1], *t.shape[2:])], dim=1)
 
 
 def micro_batches_on_ranks(attention_mask: torch.Tensor, response_len: int, rows: int, max_tokens: int | None,
