@@ -365,9 +365,11 @@ class ActorRolloutRefWorker(RankWorker):
         self.scheduler.step()
         metrics["actor/lr"] = lr
         metrics["actor/skipped_steps"] = float(skipped)
+        marked_rows = self._marked_rows(marked, first_forward, batch, response_len, one_step=total <= mini_rows)
         metrics.update(self.memory())
+        # After the marked rows' pass, whose first compilation belongs to this step.
         metrics.update(self._compiles.take())
-        return metrics, self._marked_rows(marked, first_forward, batch, response_len, one_step=total <= mini_rows)
+        return metrics, marked_rows
 
     def _read_metrics(self, means: dict[str, list], peaks: dict[str, list]) -> dict[str, float]:
         """Each metric's mean over its values (or, for a peak, the largest), read from the device in one copy."""
