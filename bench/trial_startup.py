@@ -61,8 +61,8 @@ def measure(cfg_path: str, overrides: list[str], at_once: int, runs_root: Path) 
         out.append({"run": run.name, "state": status.get("state"), "error": status.get("error"),
                     "launch_to_first_step_s": round(first_step_start - created, 2), "stages_s": spans,
                     "steps": [{k: round(v, 2) for k, v in r.items()
-                               if k in ("step", "timing_s/step", "perf/compile_s", "perf/compiled_graphs")
-                               or k.startswith("timing_s/")} for r in rows],
+                               if k in ("step", "perf/compile_s", "perf/compiled_graphs") or k.startswith("timing_s/")}
+                              for r in rows],
                     "first_step_timeline": [(n, round(t - first_step_start, 2)) for n, t in seen
                                             if first_step_start <= t and rows and t < rows[0]["time"]]})
     return {"at_once": at_once, "runs": out}
