@@ -114,7 +114,13 @@ class Trainer:
     # ---- status ----
 
     def stage(self, text: str, force: bool = False) -> None:
-        """What the run is doing now, for the dashboard's live stage line (at most one write a second)."""
+        """What the run is doing now, for the dashboard's live stage line (at most one write a second).
+
+        A lost Ray head raises here, at the next phase at the latest: the watch thread's interrupt never
+        reaches a main thread that ignores SIGINT (as a script's background job, `cmd &`, does), and the
+        run must not go on writing "running" over the failure the watch thread recorded."""
+        if self._ready and (lost := self.workers.head.lost):
+            raise WorkerError(lost)
         now = time.time()
         if force or now - self._last_stage_write > 1.0:
             self.run.write_status("running", stage=text, stage_started=now, step=self._step)
