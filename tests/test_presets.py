@@ -16,6 +16,7 @@ import yaml
 from backend.core import config as C
 from backend.core import workspace
 from backend.core.config import Config, ConfigError, load_config
+from backend.core.models import resolve_model
 from backend.services import presets
 
 from .conftest import REPO
@@ -62,6 +63,8 @@ def test_a_time_estimate_names_the_model_the_steps_and_their_time_here(monkeypat
     # the 2-core CPU's speeds: about 200 GFLOP/s in fp32, 894 in bf16
     monkeypatch.setattr(planner, "cpu_flops", lambda dtype: 894e9 if dtype == torch.bfloat16 else 200e9)
     monkeypatch.setattr(planner, "visible_gpu", lambda: None)
+    for model in ("smollm2-135m-instruct", "tiny-qwen3"):  # an estimate waits for its model to be made
+        resolve_model(model)
     step_s = planner.plan(load_config(presets.list_presets()["GRPO on the arithmetic sample"])).step_seconds
     assert 5 < step_s < 60  # measured there: 12-13 s in bf16 (with bf16 instructions), 29-34 s in fp32
     assert presets.time_estimate("GRPO on the arithmetic sample") == \
