@@ -199,7 +199,9 @@ def test_a_sweep_finishes_one_trial_stops_one_early_fails_a_broken_one_and_survi
     for weights in glob.glob(str(broken / "*.safetensors")):
         Path(weights).write_bytes(b"not weights")
     reward = tmp_path / "paced_reward.py"
-    reward.write_text(PACED_REWARD)
+    # A step of over a second: the sweep, reading its trials every second, sees trial 1 running past its first
+    # step (at 0.2 s, trial 1's four steps could all land between two reads, and it ended complete).
+    reward.write_text(PACED_REWARD.replace("time.sleep(0.2)", "time.sleep(1.0)"))
     runs = tmp_path / "runs"
     overrides = tiny_overrides(sample_sets, **{"custom_reward_function.path": reward, "data.val_files": "[]"})
     # The lr each trial logs (actor/lr) is the metric: trial 1 (lr 1e-6) trails trial 0 (lr 1e-3) at every step,
