@@ -15,6 +15,10 @@ trial's settings, state, result, steps, run time, the planner's prediction, and 
 the parts of the packed grid given to it (their walls, their trials, the best of all), predicts the sequential
 time of that grid from the alone trials (each packed trial costs what an alone trial with the same value of
 `--by` cost, on average), and compares the halving sweep's time and best setting with the full grid's.
+
+Stopped by SIGINT (Ctrl-C, or `timeout -s INT` under a machine's time limit), a mode still writes its JSON, with
+state `interrupted`, the steps each trial had done, and running trials' times up to then; `report` lists such
+files under `interrupted`.
 """
 
 from __future__ import annotations
@@ -49,20 +53,31 @@ def run(mode: str, args: argparse.Namespace) -> dict:
     name = f"{mode}-{time.strftime('%H%M%S')}"
     folder = sweeps.create_sweep(base, spec, name=name, runs_root=runs_root)
     began = time.time()
-    state = sweeps.run_sweep(folder, on_change=lambda s: print(progress(s), flush=True))
+    try:
+        state = sweeps.run_sweep(folder, on_change=lambda s: print(progress(s), flush=True))
+    except KeyboardInterrupt:
+        # A time limit (`timeout -s INT`) cut the sweep: what ran until then is still worth its JSON. The trials
+        # keep running in their own process groups, and `python -m backend sweep --resume` takes the sweep up.
+        state = "interrupted"
     wall = time.time() - began
     sweep = sweeps.read_sweep(folder)
     trials = []
     for t in sweep["trials"]:
         status = launcher.read_run(t.run)["status"] if t.run else {}
         start, end = status.get("created"), status.get("finished")
+        if state == "interrupted" and start and not end:
+            end = time.time()
         rows = read_metrics(t.run) if t.run else []
         trials.append({"number": t.number, "values": t.values, "state": t.state, "value": t.value, "step": t.step,
-                       "reason": t.reason, "run_s": round(end - start, 1) if start and end else None,
+                       "reason": t.reason, "start": start, "end": end,
+                       "run_s": round(end - start, 1) if start and end else None,
                        "steps_done": status.get("step"), "gpu_peak_reserved_gib": peak(rows),
                        **start_up(rows, start), **trial_attrs(folder, t.number)})
     best = sweep["best"]
-    return {"mode": mode, "state": state, "sweep_wall_s": round(wall, 1), "config": args.config,
+    launched = [t for t in trials if t["run_s"] is not None]
+    return {"mode": mode, "state": state, "sweep_wall_s": round(wall, 1),
+            "first_launch_to_last_end_s": round(max(t["end"] for t in launched) - min(t["start"] for t in launched), 1)
+            if launched else None, "config": args.config,
             "overrides": args.overrides, "grid": args.grid, "only": args.only, "steps": args.steps,
             "parallel": spec.parallel, "min_steps": args.min_steps,
             "metric": args.metric, "best": {"values": best.values, "value": best.value} if best else None,
@@ -103,13 +118,18 @@ def progress(sweep: dict) -> str:
 
 def report(paths: list[str], by: str) -> dict:
     results: dict[str, list[dict]] = {}
+    interrupted = []
     for path in paths:
         result = json.loads(Path(path).read_text())
         results.setdefault(result["mode"], []).append(result)
+        if result["state"] == "interrupted":
+            interrupted.append(path)
     packed = combined(results["packed"])
     out: dict = {"packed_parts": len(results["packed"]), "packed_wall_s": packed["sweep_wall_s"],
                  "packed_trial_s": packed["trial_s_total"], "packed_best": packed["best"],
-                 "oom_trials": [t["number"] for t in packed["trials"] if "out of memory" in (t["reason"] or "")]}
+                 "oom_trials": [t["number"] for t in packed["trials"] if "out of memory" in (t["reason"] or "")],
+                 # A cut sweep's times are a lower bound of what it would have taken, and its best may not be.
+                 "interrupted": interrupted}
     if "alone" in results:
         alone = combined(results["alone"])
         cost: dict[str, list[float]] = {}
@@ -168,7 +188,7 @@ def main() -> None:
     p.add_argument("--min-steps", type=int, default=10, help="halving: the first rung's step")
     p.add_argument("--by", default="actor_rollout_ref.rollout.n", help="report: the key an alone trial's cost follows")
     p.add_argument("--runs-root", default="/tmp/sweep-runs")
-    args = p.parse_args()
+    args = p.parse_intermixed_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.mode == "report":

@@ -89,7 +89,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--runs-root", default="/tmp/startup-runs")
     p.add_argument("--out", required=True)
-    args = p.parse_args()
+    args = p.parse_intermixed_args()
     overrides = [f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false",
                  "trainer.test_freq=0", "trainer.export_at_end=false", "trainer.save_freq=0", *args.overrides]
     results = []
