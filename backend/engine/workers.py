@@ -91,8 +91,10 @@ class ActorRolloutRefWorker(RankWorker):
         # A LoRA run's reference is its own base with the adapters off (lora.reference_mode): no second copy.
         if (arr.actor.use_kl_loss or self.cfg.algorithm.use_kl_in_reward) and not self.lora:
             # Stored in the compute dtype (no optimizer needs fp32 here): the same values the actor's
-            # fp32 weights gather to, so the KL is exactly 0 before the first update.
-            self.ref = load_model(arr.model.path, torch.device("cpu"), dtype).eval().requires_grad_(False)
+            # fp32 weights gather to, so the KL is exactly 0 before the first update. Its weights keep
+            # requires_grad (its passes run without gradients all the same) because torch.compile guards on it:
+            # so the actor's passes without gradients reuse the reference pass's layer graph, not a third one.
+            self.ref = load_model(arr.model.path, torch.device("cpu"), dtype).eval()
             distributed.shard_model(self.ref, self.device, dtype, offload=arr.ref.fsdp_config.offload_policy,
                                     compile_layers=compile_layers, per_layer=not self.ref_gather_once)
         if self.device.type == "cpu" and dtype == torch.bfloat16:
