@@ -59,14 +59,15 @@ def run(mode: str, args: argparse.Namespace) -> dict:
         # A time limit (`timeout -s INT`) cut the sweep: what ran until then is still worth its JSON. The trials
         # keep running in their own process groups, and `python -m backend sweep --resume` takes the sweep up.
         state = "interrupted"
-    wall = time.time() - began
+    ended = time.time()
+    wall = ended - began
     sweep = sweeps.read_sweep(folder)
     trials = []
     for t in sweep["trials"]:
         status = launcher.read_run(t.run)["status"] if t.run else {}
         start, end = status.get("created"), status.get("finished")
         if state == "interrupted" and start and not end:
-            end = time.time()
+            end = ended
         rows = read_metrics(t.run) if t.run else []
         trials.append({"number": t.number, "values": t.values, "state": t.state, "value": t.value, "step": t.step,
                        "reason": t.reason, "start": start, "end": end,
