@@ -119,12 +119,17 @@ class Trainer:
         A lost Ray head raises here, at the next phase at the latest: the watch thread's interrupt never
         reaches a main thread that ignores SIGINT (as a script's background job, `cmd &`, does), and the
         run must not go on writing "running" over the failure the watch thread recorded."""
-        if self._ready and (lost := self.workers.head.lost):
+        if lost := self._head_lost():
             raise WorkerError(lost)
         now = time.time()
         if force or now - self._last_stage_write > 1.0:
             self.run.write_status("running", stage=text, stage_started=now, step=self._step)
             self._last_stage_write = now
+
+    def _head_lost(self) -> str | None:
+        """Why the Ray head is gone, as the head's watch thread recorded it; None while it answers (or before
+        the workers exist)."""
+        return self.workers.head.lost if self._ready else None
 
     def _generation_stage(self, rows_done: int, rows: int, tokens: int, max_tokens: int) -> None:
         chunk = f" (rows {rows_done + 1}-)" if rows_done else ""
@@ -225,7 +230,7 @@ class Trainer:
             if not _stopped(e):
                 self._record_failure(e)
                 raise
-            lost = self.workers.head.lost if self._ready else None
+            lost = self._head_lost()
             if lost is None:
                 self.run.write_status("stopped", stage="stopped", finished=time.time(), error=None, traceback=None)
                 if isinstance(e, RunStopped | KeyboardInterrupt):
