@@ -55,6 +55,7 @@ def test_a_finished_run_leaves_the_whole_run_directory_contract(finished_run):
         assert (finished_run / name).exists(), name
     status = read_status(finished_run)
     assert status["state"] == "succeeded" and status["step"] == 2 and status["total_steps"] == 2
+    assert [w["deterministic"] for w in status["workers"]] == [False]  # trainer.deterministic is off by default
 
 
 def test_metrics_are_written_per_step_with_verl_names_and_finite_values(finished_run):
@@ -122,6 +123,17 @@ def test_resumed_run_is_identical_to_an_uninterrupted_one(tmp_path, sample_sets)
     wa, wb = weights(tmp_path / "straight/export"), weights(tmp_path / "resumed/export")
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+
+
+def test_with_trainer_deterministic_every_rank_trains_in_deterministic_mode(tmp_path, sample_sets):
+    # PyTorch's deterministic mode raises on an operation without a deterministic form, so the whole step (the
+    # engine's generation, the reference pass, the update, the checkpoint) running under it is what is checked.
+    train(tmp_path / "r", sample_sets, **{"trainer.deterministic": True, "trainer.n_gpus_per_node": 2,
+                                          "data.val_files": "[]"})
+    status = read_status(tmp_path / "r")
+    assert status["state"] == "succeeded" and status["step"] == 2
+    assert [w["deterministic"] for w in status["workers"]] == [True, True]
+    assert not torch.are_deterministic_algorithms_enabled()  # the ranks' processes, not this one
 
 
 def test_llama_architecture_trains_with_rloo_and_kl_in_reward(tmp_path, sample_sets):

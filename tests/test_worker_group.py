@@ -35,6 +35,21 @@ def test_a_cpu_rank_is_built_by_its_start_call_on_that_calls_thread_and_a_gpu_ra
     assert _rank_class(Built, built_by_start=True).__name__ == "Built"  # Ray's logs name the rank's own class
 
 
+def test_a_deterministic_rank_switches_its_process_to_deterministic_algorithms_before_it_is_built(monkeypatch):
+    class Checks(Built):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.mode = torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        assert _rank_class(Checks, built_by_start=False, deterministic=False)(1).mode == (False, None)
+        assert _rank_class(Checks, built_by_start=False, deterministic=True)(1).mode == (True, ":4096:8")
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch._inductor.config.deterministic = False
+
+
 FAULTS = """
 import resource, threading, torch
 def faults():

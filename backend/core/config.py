@@ -440,6 +440,11 @@ class TrainerConfig:
     runs_root: str = _f("runs", "Folder that holds run directories.")
     device: str = _f("auto", "auto picks cuda when present, else cpu.", choices=("auto", "cpu", "cuda"))
     seed: int = _f(0, "Seed of sampling and initialisation.")
+    deterministic: bool = _f(False, "Every rank uses deterministic algorithms only (PyTorch's deterministic mode, "
+                             "cuBLAS with a fixed workspace, torch.compile without timing-based choices), so a run "
+                             "repeats exactly with the same seed on the same machine and software: needed to tell "
+                             "close settings of a sweep apart on a GPU, at some speed (attention's backward without "
+                             "atomic adds). CPU runs repeat without it; vLLM's own kernels are not covered.")
     n_gpus_per_node: int = _f(1, "Workers per node: GPUs, or processes when trainer.device is cpu.", min=1)
     rollout_mode: str = _f("colocated", "colocated: the rollout engine lives in the actor's workers and generates "
                            "between updates. async: it gets its own workers (actor_rollout_ref.rollout."

@@ -246,7 +246,8 @@ class RankWorker:
     @ray.method(concurrency_group="monitor")
     def where(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-                "ip": node_ip(), "device": str(self.device)}
+                "ip": node_ip(), "device": str(self.device),
+                "deterministic": torch.are_deterministic_algorithms_enabled()}
 
     @ray.method(concurrency_group="monitor")
     def progress(self) -> tuple:
@@ -266,6 +267,19 @@ class RankWorker:
 
     def freeze_heap(self) -> int:
         return freeze_heap()
+
+
+def use_deterministic_algorithms() -> None:
+    """Make this process's torch work repeat bit for bit (trainer.deterministic). Called before its first CUDA
+    work: cuBLAS reads its workspace setting when it starts. PyTorch's deterministic mode picks the attention
+    backward without atomic adds and raises on an operation that has no deterministic form (rather than varying
+    silently); Inductor's deterministic mode drops the choices it makes by timing kernels, which can differ from
+    one process to the next."""
+    import torch._inductor.config
+
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.use_deterministic_algorithms(True)
+    torch._inductor.config.deterministic = True
 
 
 def python_stacks(skip_current: bool = True) -> tuple[str, str]:

@@ -33,7 +33,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from backend.core.config import Config, to_dict, uses_critic
 from backend.engine import distributed
-from backend.engine.rank import MarkedRows, concat_marked, out_of_memory, python_stacks, step_counts
+from backend.engine.rank import (
+    MarkedRows,
+    concat_marked,
+    out_of_memory,
+    python_stacks,
+    step_counts,
+    use_deterministic_algorithms,
+)
 from backend.rollout.base import RolloutBatch, SamplingParams, StaleWeightsError, left_pad, right_pad
 from backend.rollout.episodes import Episode
 
@@ -242,8 +249,9 @@ def worker_device(cfg: Config) -> str:
 
 
 @functools.cache
-def _rank_class(cls: type, built_by_start: bool) -> type:
-    """`cls` as a Ray actor with a `start()` that the group calls first, returning `where()`.
+def _rank_class(cls: type, built_by_start: bool, deterministic: bool = False) -> type:
+    """`cls` as a Ray actor with a `start()` that the group calls first, returning `where()`; with
+    `deterministic` (trainer.deterministic) its process uses deterministic algorithms from before it is built.
 
     built_by_start (CPU ranks): the constructor only keeps its arguments and `start()` builds the rank. Ray
     runs an actor's constructor on the process's main thread and, with concurrency groups, its calls on
@@ -254,6 +262,8 @@ def _rank_class(cls: type, built_by_start: bool) -> type:
     only run that way."""
     class Rank(cls):
         def __init__(self, *args):
+            if deterministic:
+                use_deterministic_algorithms()
             if built_by_start:
                 self._args = args
             else:
@@ -381,7 +391,8 @@ class WorkerGroup:
         """One Ray actor of `cls` per rank (`count`, or the group's world size), rank r in bundle first_bundle + r
         of the placement with `share` of its resources."""
         on_gpu = bool(bundle.get("GPU"))
-        remote_cls = ray.remote(concurrency_groups={"monitor": 1})(_rank_class(cls, built_by_start=not on_gpu))
+        remote_cls = ray.remote(concurrency_groups={"monitor": 1})(_rank_class(
+            cls, built_by_start=not on_gpu, deterministic=self.cfg.trainer.deterministic))
         return [remote_cls.options(
                     num_cpus=bundle["CPU"] * share, num_gpus=bundle.get("GPU", 0) * share, max_restarts=0,
                     runtime_env=None if on_gpu else {"env_vars": {"GLIBC_TUNABLES": CPU_MALLOC_TUNABLES}},

@@ -58,6 +58,7 @@ OWN_KEYS = frozenset({
     "trainer.runs_root",
     "trainer.device",
     "trainer.seed",
+    "trainer.deterministic",
     # verl overlaps generation and training in recipes of their own, each with its own entry point and keys
     # (ONE_STEP_OFF below): main_ppo takes none of these.
     "trainer.rollout_mode",
