@@ -608,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--pdb", action="store_true", help="start under pdb, rewards scored in this thread")
     rp.set_defaults(func=cmd_replay)
 
-    from backend.services.planner import GPUS
+    from backend.services.gpus import GPUS
 
     pl = sub.add_parser("plan", help="will it fit? peak GPU memory per phase and step time of a config, before launch",
                         description="Predict peak memory per worker in each phase of a training step and the step "
@@ -689,6 +689,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        if not isinstance(e, _input_errors()):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _input_errors() -> tuple[type[Exception], ...]:
+    """The errors a command reports in one line (bad input), not as a traceback. Imported once one is raised:
+    their modules bring torch, a second or more before any command could start."""
     from backend.core.data import DataError
     from backend.core.models import ModelError
     from backend.engine.replay import ReplayError
@@ -697,14 +714,4 @@ def main(argv: list[str] | None = None) -> int:
     from backend.services.plotting import PlotError
     from backend.services.recipes import RecipeError
 
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
-    args.argv = argv
-    try:
-        return args.func(args)
-    except (ConfigError, DataError, InteropError, ModelError, PlotError, RecipeError, ReplayError,
-            RewardError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return ConfigError, DataError, InteropError, ModelError, PlotError, RecipeError, ReplayError, RewardError

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from backend.core import lora
+from backend.core.runs import HF
 
 SHARDS = "shards"
-HF = "huggingface"
 _MODEL = "model"
 _OPTIM = "optim"
 

@@ -31,8 +31,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from backend.core import checkpoint
-
 STATES = ("queued", "running", "succeeded", "failed", "stopped")
 # Set by whoever starts a trainer in the background (the workbench's launcher): the nice value the run
 # takes once its workers are up, so it yields the CPU to interactive work.
@@ -41,6 +39,8 @@ NICE_ENV = "GRPO_WB_RUN_NICE"
 # (backend.engine.replay) and removes the file.
 DUMP_REQUEST = "dump_next"
 _CKPT = re.compile(r"^step_(\d+)$")
+# A checkpoint's folder that holds its model config and tokenizer as Hugging Face writes them, beside the shards.
+HF = "huggingface"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -246,8 +246,8 @@ def tokenizer_source(model: str | Path) -> str:
     path = Path(str(model)).expanduser()
     if not path.is_dir() or has_tokenizer(path):
         return str(model)
-    if has_tokenizer(path / checkpoint.HF):
-        return str(path / checkpoint.HF)
+    if has_tokenizer(path / HF):
+        return str(path / HF)
     run_dir = run_dir_of(path)
     if run_dir is not None:
         cfg = read_run_config(run_dir)
