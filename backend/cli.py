@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -83,8 +84,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     from backend.core.config import load_config
 
     cfg = load_config(None if args.config == "defaults" else args.config, args.overrides)
+    if args.run_dir:
+        _starting(Path(args.run_dir))
     rc, _ = _train(cfg, args.run_dir, quiet=args.quiet)
     return rc
+
+
+def _starting(run_dir: Path) -> None:
+    """Say on a launched run's status line that its process has started: the trainer's first stage comes after
+    its imports (torch, transformers, Ray), seconds on a CPU and 10-18 s on a GPU machine, which the run's page
+    would otherwise show as `queued`, as if waiting for its turn."""
+    from backend.core.runs import RunDir, read_status
+
+    if (read_status(run_dir) or {}).get("state") == "queued":
+        RunDir(run_dir).write_status("queued", stage="importing torch, transformers and Ray",
+                                     stage_started=time.time())
 
 
 def _train(cfg, run_dir: str | None, *, quiet: bool) -> tuple[int, Path]:

@@ -250,7 +250,7 @@ def test_a_stop_signal_landing_inside_rays_wait_still_counts_as_a_stop_not_a_fai
 # 1's phases to seconds each (512-token answers generated two at a time, ten update passes), so a stop lands
 # inside the phase seen.
 PHASES = {
-    "queued": "queued",
+    "importing": "importing torch",
     "starting Ray": "starting Ray",
     "loading the model": "starting 1 worker(s) and loading models",
     "generating": "generating token",
