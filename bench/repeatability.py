@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from backend.core.config import load_config  # noqa: E402
 from backend.core.runs import read_metrics, read_status  # noqa: E402
 from backend.services import launcher  # noqa: E402
+from bench.trial_startup import RECIPE, steps_only  # noqa: E402
 
-RECIPE = "configs/recipes/arithmetic.yaml"
 COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "response_length/mean")
 
 
@@ -85,8 +85,7 @@ def main() -> None:
     p.add_argument("--runs-root", default="/tmp/repeat-runs")
     p.add_argument("--out", required=True)
     args = p.parse_intermixed_args()
-    overrides = [f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false",
-                 "trainer.test_freq=0", "trainer.export_at_end=false", "trainer.save_freq=0", *args.overrides]
+    overrides = steps_only(args.steps, args.overrides)
     runs = run_all(args.config, overrides, args.repeats, Path(args.runs_root))
     result = {mode: compare(mode_runs) for mode, mode_runs in runs.items()}
     print(table(result), flush=True)

@@ -28,6 +28,13 @@ from backend.services import launcher  # noqa: E402
 RECIPE = "configs/recipes/arithmetic.yaml"
 
 
+def steps_only(steps: int, overrides: list[str]) -> list[str]:
+    """Config overrides for a run of `steps` training steps and nothing else (no validation, checkpoint or export),
+    then the user's."""
+    return [f"trainer.total_training_steps={steps}", "trainer.val_before_train=false", "trainer.test_freq=0",
+            "trainer.export_at_end=false", "trainer.save_freq=0", *overrides]
+
+
 def watch(runs: list[Path], poll_s: float = 0.1) -> list[list[tuple[str, float]]]:
     """Each run's stages in order, with the time each was first seen, until every run has ended."""
     seen: list[list[tuple[str, float]]] = [[] for _ in runs]
@@ -90,8 +97,7 @@ def main() -> None:
     p.add_argument("--runs-root", default="/tmp/startup-runs")
     p.add_argument("--out", required=True)
     args = p.parse_intermixed_args()
-    overrides = [f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false",
-                 "trainer.test_freq=0", "trainer.export_at_end=false", "trainer.save_freq=0", *args.overrides]
+    overrides = steps_only(args.steps, args.overrides)
     results = []
     for n in args.at_once:
         results.append(measure(args.config, overrides, n, Path(args.runs_root)))
