@@ -18,7 +18,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from backend.core.config import load_config  # noqa: E402
 from backend.core.runs import read_metrics, read_status  # noqa: E402
 from backend.services import launcher  # noqa: E402
-from bench.trial_startup import RECIPE, steps_only  # noqa: E402
+from bench.trial_startup import RECIPE, steps_only, watch  # noqa: E402
 
 COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "response_length/mean")
 
@@ -36,9 +35,7 @@ def run_all(cfg_path: str, overrides: list[str], repeats: int, runs_root: Path) 
     for mode in ("off", "on"):
         cfg = load_config(cfg_path, [*overrides, f"trainer.deterministic={str(mode == 'on').lower()}"])
         runs[mode] = [launcher.launch(cfg, name=f"repeat-{mode}-{i}", runs_root=runs_root) for i in range(repeats)]
-    every = [run for mode_runs in runs.values() for run in mode_runs]
-    while any((read_status(run) or {}).get("state") in launcher.ACTIVE for run in every):
-        time.sleep(1.0)
+    watch([run for mode_runs in runs.values() for run in mode_runs])  # until every run has ended
     return runs
 
 
