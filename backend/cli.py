@@ -240,7 +240,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.pdb:
         print("pdb: set breakpoints (b backend/engine/workers.py:LINE, or in your reward function), then c")
     result = run(replay, args.dump, args.device, in_this_thread=args.pdb)
-    print(f"step {result.step} replayed on {result.device}, one process, without Ray")
+    print(f"step {result.step} replayed on {result.device}, one process, without Ray"
+          + (", with deterministic algorithms only (trainer.deterministic)" if result.deterministic else ""))
     width = max([len(key) for key, *_ in result.rows()] + [6])
     print(f"{'metric':<{width}}  {'run':>14}  {'replay':>14}  equal")
     for key, logged, replayed, ok in result.rows():

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 
 from backend.core.runs import list_dumps, read_status
 from backend.engine.replay import ReplayError, replay
@@ -55,6 +56,7 @@ def test_a_dumped_step_replays_in_one_process_to_the_loss_kl_clip_fraction_and_g
         assert table[key][-1] == "yes", out.stdout
     assert "rewards: 8 of 8 responses score as they did in the run" in out.stdout
     assert "without Ray" in out.stdout and "equal within tolerance" in out.stdout
+    assert "deterministic" not in out.stdout  # the run did not ask for it
 
 
 @pytest.mark.slow
@@ -75,6 +77,19 @@ def test_a_replay_that_computes_other_values_says_which_and_exits_1(dumped_run, 
     assert pg_loss.endswith("NO")
     assert "rewards: 7 of 8 responses score as they did in the run" in out.stdout
     assert "DIFFERENT from what the run logged" in out.stdout
+
+
+@pytest.mark.slow
+def test_a_step_of_a_deterministic_run_replays_with_deterministic_algorithms(dumped_run, tmp_path):
+    dump = tmp_path / "step_2"
+    shutil.copytree(dumped_run / "dumps" / "step_2", dump)
+    cfg = yaml.safe_load((dump / "config.yaml").read_text())
+    cfg["trainer"]["deterministic"] = True
+    (dump / "config.yaml").write_text(yaml.safe_dump(cfg))
+    out = replay_cli(str(dump), "--device", "cpu")
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "with deterministic algorithms only (trainer.deterministic)" in out.stdout
+    assert "equal within tolerance" in out.stdout
 
 
 def _first_statement_line(function) -> int:

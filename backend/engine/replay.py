@@ -78,6 +78,7 @@ class Replayed:
     replayed: dict[str, float]  # the same keys, from this process's update
     scores: tuple[int, int] | None  # (rows whose score came out the same, rows); None: not re-scored
     not_rescored: str = ""  # why not
+    deterministic: bool = False  # replayed with deterministic algorithms only, as the run's trainer.deterministic
 
     def rows(self, rtol: float = 1e-4, atol: float = 1e-6) -> list[tuple[str, float, float, bool]]:
         """(metric, logged, replayed, equal within tolerance) for each metric both have."""
@@ -98,6 +99,7 @@ def replay(folder: str | Path, device: str = "auto", *, in_this_thread: bool = F
     this process on one rank, from the dumped weights and inputs. `in_this_thread` scores without threads,
     so a debugger's breakpoints in a reward function stop there."""
     from backend.engine.distributed import local_meeting_point
+    from backend.engine.rank import use_deterministic_algorithms
     from backend.engine.worker_group import update_shards
     from backend.engine.workers import ActorRolloutRefWorker
 
@@ -116,6 +118,9 @@ def replay(folder: str | Path, device: str = "auto", *, in_this_thread: bool = F
     logged = json.loads((folder / "logged.json").read_text())
     plan = json.loads((folder / "update.json").read_text())
 
+    if cfg.trainer.deterministic:
+        # As the run's ranks did: on a GPU, other algorithms would add up in another order than the run did.
+        use_deterministic_algorithms()
     scores, why = _rescore(cfg, folder, in_this_thread)
     worker = ActorRolloutRefWorker(to_dict(cfg), 0, 1, *local_meeting_point(), device, plan["total_steps"])
     try:
@@ -127,7 +132,7 @@ def replay(folder: str | Path, device: str = "auto", *, in_this_thread: bool = F
     finally:
         worker.shutdown()
     step = int(logged.pop("step"))
-    return Replayed(step, device, logged, replayed, scores, why)
+    return Replayed(step, device, logged, replayed, scores, why, torch.are_deterministic_algorithms_enabled())
 
 
 def _rescore(cfg: Config, folder: Path, in_this_thread: bool) -> tuple[tuple[int, int] | None, str]:
