@@ -30,13 +30,21 @@ from bench.trial_startup import RECIPE, steps_only, watch  # noqa: E402
 COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "response_length/mean")
 
 
-def run_all(cfg_path: str, overrides: list[str], repeats: int, runs_root: Path) -> dict[str, list[Path]]:
+def run_all(cfg_path: str, overrides: list[str], repeats: int, runs_root: Path) -> tuple[dict[str, list[Path]], bool]:
+    """The runs of each mode, and whether SIGINT cut them short (they are stopped, and compared over the steps
+    they logged: a GPU call's time limit must not leave them training into the next command)."""
     runs: dict[str, list[Path]] = {}
     for mode in ("off", "on"):
         cfg = load_config(cfg_path, [*overrides, f"trainer.deterministic={str(mode == 'on').lower()}"])
         runs[mode] = [launcher.launch(cfg, name=f"repeat-{mode}-{i}", runs_root=runs_root) for i in range(repeats)]
-    watch([run for mode_runs in runs.values() for run in mode_runs])  # until every run has ended
-    return runs
+    every = [run for mode_runs in runs.values() for run in mode_runs]
+    try:
+        watch(every)  # until every run has ended
+    except KeyboardInterrupt:
+        for run in every:
+            launcher.stop(run)
+        return runs, True
+    return runs, False
 
 
 def compare(runs: list[Path]) -> dict:
@@ -58,7 +66,7 @@ def compare(runs: list[Path]) -> dict:
                 first_diff = rows[0]["step"]
     later = [row["timing_s/step"] for log in logs for row in log[1:]]
     return {"runs": [run.name for run in runs], "states": states, "steps": steps,
-            "identical": first_diff is None and all(s == "succeeded" for s in states),
+            "identical": steps > 0 and first_diff is None and "failed" not in states,
             "first_differing_step": first_diff, "largest_gap": gaps,
             "median_step_s": round(statistics.median(later), 3) if later else None,
             "final_score": [log[-1].get("critic/score/mean") if log else None for log in logs]}
@@ -83,12 +91,15 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_intermixed_args()
     overrides = steps_only(args.steps, args.overrides)
-    runs = run_all(args.config, overrides, args.repeats, Path(args.runs_root))
+    runs, interrupted = run_all(args.config, overrides, args.repeats, Path(args.runs_root))
     result = {mode: compare(mode_runs) for mode, mode_runs in runs.items()}
     print(table(result), flush=True)
+    if interrupted:
+        print("interrupted: the runs were stopped and are compared over the steps they logged", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": args.config, "overrides": overrides, "modes": result}, indent=1))
+    out.write_text(json.dumps({"config": args.config, "overrides": overrides, "modes": result,
+                               "state": "interrupted" if interrupted else "finished"}, indent=1))
 
 
 if __name__ == "__main__":
