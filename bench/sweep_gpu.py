@@ -127,6 +127,7 @@ def report(paths: list[str], by: str) -> dict:
             interrupted.append(path)
     packed = combined(results["packed"])
     out: dict = {"packed_parts": len(results["packed"]), "packed_wall_s": packed["sweep_wall_s"],
+                 "packed_busy_s": packed["busy_s"],
                  "packed_trial_s": packed["trial_s_total"], "packed_best": packed["best"],
                  "oom_trials": [t["number"] for t in packed["trials"] if "out of memory" in (t["reason"] or "")],
                  # A cut sweep's times are a lower bound of what it would have taken, and its best may not be.
@@ -142,22 +143,28 @@ def report(paths: list[str], by: str) -> dict:
                    throughput_ratio=round(predicted / packed["sweep_wall_s"], 2))
     if "halving" in results:
         halving = combined(results["halving"])
-        out.update(halving_wall_s=halving["sweep_wall_s"], halving_trial_s=halving["trial_s_total"],
+        out.update(halving_wall_s=halving["sweep_wall_s"], halving_busy_s=halving["busy_s"],
+                   halving_trial_s=halving["trial_s_total"],
                    halving_best=halving["best"],
                    halving_pruned=[t["number"] for t in halving["trials"] if t["state"] == "pruned"],
                    halving_wall_share=round(halving["sweep_wall_s"] / packed["sweep_wall_s"], 3),
+                   halving_busy_share=round(halving["busy_s"] / packed["busy_s"], 3)
+                   if halving["busy_s"] and packed["busy_s"] else None,
                    halving_trial_s_share=round(halving["trial_s_total"] / packed["trial_s_total"], 3),
                    same_best=(halving["best"] or {}).get("values") == (packed["best"] or {}).get("values"))
     return out
 
 
 def combined(parts: list[dict]) -> dict:
-    """Parts of one grid run one after another, as one sweep: walls and trial times add up, the best is the best
-    trial of any part (ties go to the first part's)."""
+    """Parts of one grid run one after another, as one sweep: walls, busy spans (the first trial's launch to the
+    last one's end, without the sweep's own start such as converting the model) and trial times add up, the best is
+    the best trial of any part (ties go to the first part's)."""
     trials = [t for part in parts for t in part["trials"]]
     done = [t for t in trials if t["state"] == "complete" and t["value"] is not None]
     best = max(done, key=lambda t: t["value"]) if done else None
+    spans = [p.get("first_launch_to_last_end_s") for p in parts]
     return {"sweep_wall_s": round(sum(p["sweep_wall_s"] for p in parts), 1),
+            "busy_s": round(sum(spans), 1) if None not in spans else None,
             "trial_s_total": round(sum(p["trial_s_total"] for p in parts), 1), "trials": trials,
             "best": {"values": best["values"], "value": best["value"]} if best else None}
 
