@@ -1,5 +1,5 @@
-"""How the group starts its CPU ranks: built by a call on the thread their calls run on, with allocator
-settings that keep their memory mapped."""
+"""How the group starts its ranks: CPU ranks built by a call on the thread their calls run on, with allocator
+settings that keep their memory mapped; GPU ranks with the caching allocator's expandable segments."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import threading
 
 import torch
 
+from backend.core.config import load_config
 from backend.engine.rank import MarkedRows, concat_marked
-from backend.engine.worker_group import CPU_MALLOC_TUNABLES, _rank_class
+from backend.engine.worker_group import CPU_MALLOC_TUNABLES, _rank_class, gpu_rank_env
 
 
 class Built:
@@ -75,6 +76,18 @@ def test_the_cpu_ranks_allocator_settings_keep_a_freed_block_mapped_for_the_next
     # the second time round with the settings
     assert faults(plain) > 400_000
     assert faults({**plain, "GLIBC_TUNABLES": CPU_MALLOC_TUNABLES}) < 1_000
+
+
+def test_gpu_ranks_use_expandable_segments_unless_vllm_generates_or_the_user_set_the_allocator(monkeypatch):
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = load_config("configs/default.yaml")
+    assert gpu_rank_env(cfg) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:512")
+    assert gpu_rank_env(cfg) == {}
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    cfg.actor_rollout_ref.rollout.name = "vllm"  # (a config naming vLLM validates only where vLLM is installed)
+    assert gpu_rank_env(cfg) == {}  # vLLM's sleep mode refuses expandable segments
 
 
 def test_a_marked_row_two_ranks_report_after_shuffled_epochs_appears_once_in_mark_order():
