@@ -4,7 +4,7 @@ another, and with early stopping against the full grid (docs/sweeps.md, "Measure
     python bench/sweep_gpu.py packed  --out OUT/packed.json  [sweep options] [config overrides]
     python bench/sweep_gpu.py alone   --out OUT/alone.json   [sweep options] --only KEY=VALUE [overrides]
     python bench/sweep_gpu.py halving --out OUT/halving.json [sweep options] [config overrides]
-    python bench/sweep_gpu.py report OUT/packed*.json OUT/alone.json OUT/halving.json --out OUT/sweep.json
+    python bench/sweep_gpu.py report OUT/packed*.json OUT/alone.json OUT/halving*.json --out OUT/sweep.json
 
 `packed` runs the grid with as many trials at once as the planner fits (or `--parallel N`); `halving` does the
 same with successive-halving early stopping; `alone` runs trials one at a time. With `--only KEY=VALUE` a mode
@@ -14,7 +14,8 @@ trial's settings, state, result, steps, run time, the planner's prediction, and 
 (launch to the first step's start, the first step, torch.compile's seconds over the trial). `report` adds up
 the parts of the packed grid given to it (their walls, their trials, the best of all), predicts the sequential
 time of that grid from the alone trials (each packed trial costs what an alone trial with the same value of
-`--by` cost, on average), and compares the halving sweep's time and best setting with the full grid's.
+`--by` cost, on average), and compares each halving sweep given to it (one call each, of the same sweep) with the
+full grid: its time's shares of the full grid's and its best setting, then each share's median over the calls.
 
 Stopped by SIGINT (Ctrl-C, or `timeout -s INT` under a machine's time limit), a mode still writes its JSON, with
 state `interrupted`, the steps each trial had done, and running trials' times up to then; `report` lists such
@@ -142,17 +143,35 @@ def report(paths: list[str], by: str) -> dict:
                    alone_sweep_wall_s=alone["sweep_wall_s"],
                    throughput_ratio=round(predicted / packed["sweep_wall_s"], 2))
     if "halving" in results:
-        halving = combined(results["halving"])
-        out.update(halving_wall_s=halving["sweep_wall_s"], halving_busy_s=halving["busy_s"],
-                   halving_trial_s=halving["trial_s_total"],
-                   halving_best=halving["best"],
-                   halving_pruned=[t["number"] for t in halving["trials"] if t["state"] == "pruned"],
-                   halving_wall_share=round(halving["sweep_wall_s"] / packed["sweep_wall_s"], 3),
-                   halving_busy_share=round(halving["busy_s"] / packed["busy_s"], 3)
-                   if halving["busy_s"] and packed["busy_s"] else None,
-                   halving_trial_s_share=round(halving["trial_s_total"] / packed["trial_s_total"], 3),
-                   same_best=(halving["best"] or {}).get("values") == (packed["best"] or {}).get("values"))
+        # A halving sweep cannot be cut into parts (its pruner compares the whole grid): each file is one call of
+        # the same sweep, each compared with the full grid, then the shares as the median over the calls.
+        calls = [against_full(halving, packed) for halving in results["halving"]]
+        out.update(halving=calls, same_best=all(c["same_best"] for c in calls),
+                   **{f"halving_{share}": spread([c[share] for c in calls if c[share] is not None])
+                      for share in SHARES})
     return out
+
+
+SHARES = ("wall_share", "busy_share", "trial_s_share")
+
+
+def against_full(halving: dict, packed: dict) -> dict:
+    """One halving sweep's times as shares of the full grid's, what it stopped, and whether it found the full
+    grid's best setting."""
+    one = combined([halving])
+    return {"wall_s": one["sweep_wall_s"], "busy_s": one["busy_s"], "trial_s": one["trial_s_total"],
+            "best": one["best"],
+            "pruned": {t["number"]: t["step"] for t in one["trials"] if t["state"] == "pruned"},
+            "wall_share": round(one["sweep_wall_s"] / packed["sweep_wall_s"], 3),
+            "busy_share": round(one["busy_s"] / packed["busy_s"], 3) if one["busy_s"] and packed["busy_s"] else None,
+            "trial_s_share": round(one["trial_s_total"] / packed["trial_s_total"], 3),
+            "same_best": (one["best"] or {}).get("values") == (packed["best"] or {}).get("values")}
+
+
+def spread(values: list[float]) -> dict | None:
+    """The median of the calls' values and their range."""
+    return {"median": round(statistics.median(values), 3), "min": min(values), "max": max(values),
+            "calls": len(values)} if values else None
 
 
 def combined(parts: list[dict]) -> dict:
