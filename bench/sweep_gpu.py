@@ -87,10 +87,11 @@ def run(mode: str, args: argparse.Namespace) -> dict:
 
 
 def trial_attrs(folder: Path, number: int) -> dict:
-    """What the sweep recorded when it placed the trial: its GPU, the planner's prediction, who was beside it."""
+    """What the sweep recorded when it placed the trial: its GPU, the planner's prediction, who was beside it, and
+    on a Ray cluster the share of a GPU it asked Ray for."""
     study = sweeps._study(folder, sweeps.read_spec(folder))
     attrs = study.get_trials(deepcopy=False)[number].user_attrs
-    return {k: attrs[k] for k in ("gpu", "predicted_gib", "beside") if k in attrs}
+    return {k: attrs[k] for k in ("gpu", "predicted_gib", "beside", "gpu_share") if k in attrs}
 
 
 def peak(rows: list[dict]) -> float | None:

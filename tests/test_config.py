@@ -213,3 +213,13 @@ def test_a_token_budget_below_the_longest_row_is_refused_naming_its_key(override
         load_config(None, ["data.max_prompt_length=64", "data.max_response_length=64", *overrides])
     assert str(error.value).count("is less than the longest row") == 1  # one message for the one mistake
     load_config(None, ["data.max_prompt_length=50", "data.max_response_length=50", *overrides])  # 100 holds one row
+
+
+def test_a_gpu_share_is_a_part_of_one_gpu_for_a_run_of_one_worker_only():
+    assert load_config(None, ["trainer.gpu_share=0.25"]).trainer.gpu_share == 0.25
+    assert problems_of("trainer.gpu_share=0") == ["trainer.gpu_share=0.0 must be > 0"]
+    assert problems_of("trainer.gpu_share=1.5") == [
+        "trainer.gpu_share=1.5 must be in (0, 1]: a worker takes one GPU at most"]
+    for second in ("trainer.n_gpus_per_node=2", "trainer.rollout_mode=async"):
+        [msg] = problems_of("trainer.gpu_share=0.5", second)
+        assert msg.startswith("trainer.gpu_share=0.5 shares a GPU between runs of one worker")

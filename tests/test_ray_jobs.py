@@ -18,7 +18,7 @@ from backend.core.config import ConfigError, load_config
 from backend.services import launcher, sweeps
 
 from .browser import free_port
-from .conftest import tiny_overrides, wait_for
+from .conftest import REPO, tiny_overrides, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,8 @@ ENDED = (JobStatus.SUCCEEDED, JobStatus.STOPPED, JobStatus.FAILED)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A one-node cluster with the dashboard, which takes jobs; its address as a run's trainer.ray_address."""
+    """A one-node cluster with the dashboard, which takes jobs; its address as a run's trainer.ray_address. It
+    counts two GPUs, which this machine does not have: the runs here train on the CPU."""
     logs = tmp_path_factory.mktemp("head")
     port = free_port()
     ray_cli = Path(sys.executable).parent / "ray"
@@ -35,7 +36,7 @@ def cluster(tmp_path_factory):
     # private Ray of a run another test left behind, and then the head takes no jobs.
     head = subprocess.Popen([str(ray_cli), "start", "--head", f"--port={port}", f"--dashboard-port={free_port()}",
                              f"--dashboard-agent-listen-port={free_port()}", "--include-dashboard=true",
-                             "--num-cpus=4", "--block", "--disable-usage-stats"],
+                             "--num-cpus=4", "--num-gpus=2", "--block", "--disable-usage-stats"],
                             stdout=open(logs / "head.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
                             start_new_session=True,
                             # Without token authentication: Ray reads RAY_AUTH_MODE once, when this test process
@@ -77,6 +78,8 @@ def test_a_run_on_a_cluster_is_its_ray_job_with_status_and_logs_in_the_run_direc
     # What Ray leaves in a process that once started a Ray of its own (a test's run, here): the job must still
     # run under the cluster's authentication, not the workbench's.
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    # A variable the job carries and the trainer passes to its workers again, as a GPU host's NCCL settings are.
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
     cfg = load_config(None, tiny_overrides(sample_sets, **{"trainer.ray_address": cluster,
                                                            "trainer.total_training_steps": 4}))
     run = launcher.launch(cfg, name="job", runs_root=tmp_path)
@@ -131,3 +134,15 @@ def test_a_cluster_that_takes_no_jobs_is_named_and_the_run_recorded_failed(sampl
         launcher.launch(cfg, name="nowhere", runs_root=tmp_path)
     (summary,) = launcher.list_runs(tmp_path)
     assert summary.state == "failed" and summary.error.startswith("could not submit the run: ")
+
+
+def test_a_sweep_reads_the_clusters_gpus_and_counts_one_whose_memory_no_node_can_say_as_whole(cluster):
+    """A sweep on a cluster packs by the memory of the cluster's GPUs, which its process reads with a task on each
+    node; the head's two GPUs here are only Ray's count (no CUDA), so each reads as unknown (0 GiB): a trial takes
+    a whole one (test_sweeps shows the shares where the memory is known)."""
+    probe = subprocess.run([sys.executable, "-c", f"from backend.services import sweeps; "
+                            f"print(sweeps._cluster_gpus({cluster!r}))"],
+                           capture_output=True, text=True, timeout=300, cwd=REPO,
+                           env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.splitlines()[-1] == "[0.0, 0.0]"

@@ -14,7 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import optuna
 import pytest
+from optuna.trial import TrialState
 
 from backend.core.config import load_config
 from backend.core.models import resolve_model
@@ -154,6 +156,36 @@ def test_placement_puts_a_trial_on_the_gpu_with_most_room_within_the_margin_and_
         assert sweeps.place(12.0, used, [141.0]) == 0
         used[0] += 12.0
     assert sweeps.place(12.0, used, [141.0]) is None
+
+
+
+def test_on_a_cluster_trials_ask_ray_for_shares_of_a_gpu_that_fit_as_many_as_the_margin_allows(sample_sets):
+    assert sweeps.gpu_share(11.46, 79.2) == 0.1703  # 11.46 GiB of the 67.32 the margin leaves, rounded up
+    assert sweeps.gpu_share(70.0, 79.2) == 1.0  # more than the margin leaves: a whole GPU
+    assert sweeps.gpu_share(11.46, 0.0) == 1.0  # a GPU whose memory the cluster could not say
+
+    def fill(ray_address: str, gpus: list[float]) -> list[tuple[str | None, dict]]:
+        """Place trials of the tiny config until none fits: each one's pin and recorded placement."""
+        placed: list[optuna.trial.FrozenTrial] = []
+        pins = []
+        while True:
+            cfg = load_config(None, tiny_overrides(sample_sets, **{"trainer.device": "cuda",
+                                                                  "trainer.ray_address": ray_address}))
+            where = sweeps._place_trial(cfg, placed, gpus)
+            if where is None:
+                return pins
+            pins.append((sweeps._pin(cfg, where), where))
+            assert cfg.trainer.gpu_share == where.get("gpu_share", 1.0)
+            placed.append(optuna.trial.create_trial(state=TrialState.RUNNING, user_attrs=where))
+
+    need = sweeps._predicted_gib(load_config(None, tiny_overrides(sample_sets, **{"trainer.device": "cuda"})), 2.0)
+    gpus = [need * 3.5, need * 3.5]  # room for 2.975 trials in each within the margin
+    here, cluster = fill("", gpus), fill("127.0.0.1:6379", gpus)
+    assert [pin for pin, _ in here] == ["0", "1", "0", "1"]  # pinned to the GPU with the most room
+    assert [pin for pin, _ in cluster] == [None] * 4  # Ray picks the GPU, held to the shares
+    (share,) = {where["gpu_share"] for _, where in cluster}
+    assert share == sweeps.gpu_share(need, gpus[0]) and 4 * share <= 2 < 6 * share
+    assert sorted(where["gpu"] for _, where in cluster) == [0, 0, 1, 1]
 
 
 @pytest.mark.slow

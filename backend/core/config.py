@@ -458,6 +458,10 @@ class TrainerConfig:
     nnodes: int = _f(1, "Nodes of the Ray cluster to use.", min=1)
     ray_address: str = _f("", "Ray cluster to join (host:6379, or auto for the one `ray start` made on this "
                           "machine); empty starts a private Ray in the training process.")
+    gpu_share: float = _f(1.0, "On a Ray cluster: the share of one GPU the run's worker asks Ray for, so runs whose "
+                          "shares add up to at most 1 train on the same GPU (Ray's fractional GPUs; a sweep sets it "
+                          "from the planner's predicted memory). In (0, 1]; below 1 the run has one worker, "
+                          "colocated.", gt=0)
     critic_warmup: int = _f(0, "Steps at the start that train only the critic (algorithm.adv_estimator=gae).", min=0)
     dump_steps: list[int] = _f([], "Steps whose actor update is saved, inputs and weights, to dumps/step_N for "
                                "`python -m backend replay` (one process, no Ray, --pdb to step through).")
@@ -852,6 +856,13 @@ def validate_config(cfg: Config) -> None:
     if cfg.trainer.nnodes > 1 and not cfg.trainer.ray_address:
         problems.append(f"trainer.nnodes={cfg.trainer.nnodes} needs a Ray cluster: set trainer.ray_address to its "
                         "head (ray start --head on one node, ray start --address=HEAD:6379 on the others)")
+    if cfg.trainer.gpu_share > 1:
+        problems.append(f"trainer.gpu_share={cfg.trainer.gpu_share} must be in (0, 1]: a worker takes one GPU at most")
+    elif cfg.trainer.gpu_share < 1 and (world > 1 or cfg.trainer.rollout_mode == "async"):
+        # Ray could put two of the run's own workers on one GPU, where their process group cannot meet.
+        problems.append(f"trainer.gpu_share={cfg.trainer.gpu_share} shares a GPU between runs of one worker: this "
+                        f"run has {world} actor worker(s) and trainer.rollout_mode={cfg.trainer.rollout_mode}; set "
+                        "trainer.gpu_share=1, or one worker and trainer.rollout_mode=colocated")
     if world >= 1 and cfg.trainer.debug.attach_rank >= world:
         problems.append(f"trainer.debug.attach_rank={cfg.trainer.debug.attach_rank} is not a worker rank: this run "
                         f"has ranks 0 to {world - 1}")

@@ -329,7 +329,7 @@ class WorkerGroup:
         local = not cfg.trainer.ray_address
         bundles = self.world_size + self.rollout_world
         if self.device == "cuda":
-            bundle = {"GPU": 1, "CPU": 1}
+            bundle = {"GPU": cfg.trainer.gpu_share, "CPU": 1}
         else:
             # A private Ray on this machine: the ranks share its cores (each sets its torch threads to its share).
             bundle = {"CPU": max(1, (os.cpu_count() or 1) // bundles) if local else 1}

@@ -188,7 +188,10 @@ def submit_job(address: str, cmd: list[str], stdout: Path, stderr: Path, env: di
     quoted = " ".join(map(shlex.quote, cmd))
     entrypoint = (f"cd {shlex.quote(os.getcwd())} && exec {quoted} >> {shlex.quote(str(stdout))} "
                   f"2>> {shlex.quote(str(stderr))}")
-    env = {"PYTHONUNBUFFERED": "1", **{k: os.environ[k] for k in JOB_ENV if k in os.environ}, **env}
+    # The trainer inside joins the cluster with a runtime env of its own that names some of these variables again
+    # (NCCL's, HF_HOME): Ray refuses such a driver unless told to combine the two.
+    env = {"PYTHONUNBUFFERED": "1", "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1",
+           **{k: os.environ[k] for k in JOB_ENV if k in os.environ}, **env}
     try:
         if plain := re.fullmatch(r"([\w.-]+):(\d+)", address):
             # Ray retries an unreachable head for about 40 s; a closed port says so at once.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -390,10 +391,12 @@ def run_sweep(folder: str | Path, *, poll_s: float = 1.0, on_change: Callable[[d
     spec = read_spec(folder)
     study = _study(folder, spec)
     base_text = (folder / "base.yaml").read_text()
-    gpus = _visible_gpus()
+    trainer = (yaml.safe_load(base_text) or {}).get("trainer") or {}
+    on_gpus = trainer.get("device", "auto") != "cpu"
+    gpus = (_cluster_gpus(trainer["ray_address"]) if trainer.get("ray_address") else _visible_gpus()) if on_gpus else []
     pending: list[optuna.Trial] = []  # asked for, waiting for room to start
     _write_state(folder, state="running", pid=os.getpid(), host=socket.gethostname(), started=time.time(),
-                 stop_requested=None)
+                 stop_requested=None, gpus=[round(g, 2) for g in gpus])
     while True:
         state = read_state(folder)
         waiting = {t.number for t in pending}
@@ -471,6 +474,15 @@ def place(need_gib: float, used_gib: list[float], capacity_gib: list[float],
     return max(fits, key=lambda i: capacity_gib[i] * (1 - margin) - used_gib[i]) if fits else None
 
 
+def gpu_share(need_gib: float, capacity_gib: float, margin: float = PACKING_MARGIN) -> float:
+    """The share of a GPU of `capacity_gib` that a trial predicted to need `need_gib` asks a Ray cluster for: its
+    need over what the margin leaves of the memory, rounded up to Ray's granularity (1/10000); a whole GPU where
+    that is more, or where the memory is unknown (0). Shares of one GPU add up to at most 1, so Ray keeps the
+    margin as `place` does."""
+    room = capacity_gib * (1 - margin)
+    return 1.0 if need_gib >= room else math.ceil(need_gib / room * 10_000) / 10_000
+
+
 def _visible_gpus() -> list[float]:
     """Total memory (GiB) of each GPU this process sees; empty without CUDA."""
     import torch
@@ -478,6 +490,72 @@ def _visible_gpus() -> list[float]:
     if not torch.cuda.is_available():
         return []
     return [torch.cuda.get_device_properties(i).total_memory / 2**30 for i in range(torch.cuda.device_count())]
+
+
+# How long the cluster's nodes have to answer what their GPUs hold before their GPUs count as whole ones.
+CLUSTER_PROBE_S = 120.0
+
+
+def _cluster_gpus(address: str) -> list[float]:
+    """Total memory (GiB) of each GPU of the Ray cluster at `address`, from this process (which has no Ray of its
+    own): a task holding 1/100 of a GPU reads it on each node that has GPUs, taking a node's GPUs to be alike.
+    A node that cannot say (no CUDA there, or busy past CLUSTER_PROBE_S) gives 0 for each of its GPUs, so a
+    trial takes a whole one there. Empty when the cluster has no GPUs."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def total_gib() -> float:
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
+
+    ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+    try:
+        nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) >= 1]
+        probe = ray.remote(total_gib)
+        refs = [probe.options(num_gpus=0.01, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"],
+                                                                                               soft=False)).remote()
+                for n in nodes]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=CLUSTER_PROBE_S)
+        gpus = []
+        for node, ref in zip(nodes, refs, strict=True):
+            try:
+                gib = ray.get(ref) if ref in ready else 0.0
+            except ray.exceptions.RayError:  # the task failed there (torch missing, a broken driver)
+                gib = 0.0
+            gpus += [gib] * int(node["Resources"]["GPU"])
+        return gpus
+    finally:
+        ray.shutdown()
+
+
+def _place_trial(cfg: Config, running: list[optuna.trial.FrozenTrial], gpus: list[float]) -> dict[str, Any] | None:
+    """Where a trial of one GPU goes, as the user attributes that record it (None while no GPU has room): the GPU's
+    index and the planner's prediction, and on a Ray cluster the share of a GPU its worker asks Ray for. On one
+    machine the run is pinned to that GPU; on a cluster Ray picks the GPU and holds each GPU's shares to 1, so
+    there the shares are what is counted."""
+    need = _predicted_gib(cfg, gpus[0])
+    on = [[t for t in running if t.user_attrs.get("gpu") == i] for i in range(len(gpus))]
+    if cfg.trainer.ray_address:
+        share = gpu_share(need, min(gpus))
+        gpu = place(share, [sum(t.user_attrs.get("gpu_share", 1.0) for t in ts) for ts in on], [1.0] * len(gpus),
+                    margin=0.0)
+        where: dict[str, Any] = {"gpu_share": share}
+    else:
+        gpu = place(need, [sum(t.user_attrs.get("predicted_gib", 0.0) for t in ts) for ts in on], gpus)
+        where = {}
+    if gpu is None:
+        return None
+    return {"gpu": gpu, "predicted_gib": round(need, 2), **where}
+
+
+def _pin(cfg: Config, where: dict[str, Any]) -> str | None:
+    """The CUDA_VISIBLE_DEVICES of a trial placed at `where` on this machine; on a cluster (nothing to pin: Ray
+    picks the GPU) its config asks for its share instead."""
+    if cfg.trainer.ray_address:
+        cfg.trainer.gpu_share = where["gpu_share"]
+        return None
+    return str(where["gpu"])
 
 
 def _start_trial(study: optuna.Study, trial: optuna.Trial, folder: Path, base_text: str, steps: int | None,
@@ -497,16 +575,13 @@ def _start_trial(study: optuna.Study, trial: optuna.Trial, folder: Path, base_te
         return None
     devices = None
     if gpus and cfg.trainer.device != "cpu" and workers == 1:
-        need = _predicted_gib(cfg, gpus[0])
-        used = [sum(t.user_attrs.get("predicted_gib", 0.0) for t in running if t.user_attrs.get("gpu") == i)
-                for i in range(len(gpus))]
-        gpu = place(need, used, gpus)
-        if gpu is None:
+        where = _place_trial(cfg, running, gpus)
+        if where is None:
             return None
-        devices = str(gpu)
-        trial.set_user_attr("gpu", gpu)
-        trial.set_user_attr("predicted_gib", round(need, 2))
-        trial.set_user_attr("beside", [t.number for t in running if t.user_attrs.get("gpu") == gpu])
+        devices = _pin(cfg, where)
+        for k, v in where.items():
+            trial.set_user_attr(k, v)
+        trial.set_user_attr("beside", [t.number for t in running if t.user_attrs.get("gpu") == where["gpu"]])
     try:
         run = launcher.launch(cfg, name=f"{folder.name}-{trial.number:03d}", runs_root=folder.parent.parent,
                               sweep={"name": folder.name, "trial": trial.number}, devices=devices)
@@ -644,18 +719,15 @@ def clone_trial(folder: str | Path, number: int, cfg: Config) -> int:
     trials = study.get_trials(deepcopy=False)
     attrs: dict[str, Any] = {"clone_of": number, "edits": edits}
     devices = None
-    gpus = _visible_gpus()
+    # The GPUs the sweep's process found (the cluster's, on a cluster), not this process's.
+    gpus = sweep["state"].get("gpus") or []
     if gpus and cfg.trainer.device != "cpu":
-        running = [t for t in trials if t.state == TrialState.RUNNING]
-        need = _predicted_gib(cfg, gpus[0])
-        used = [sum(t.user_attrs.get("predicted_gib", 0.0) for t in running if t.user_attrs.get("gpu") == i)
-                for i in range(len(gpus))]
-        gpu = place(need, used, gpus)
-        if gpu is None:
-            raise SweepError(f"no GPU has room for the clone now (the planner predicts {need:.1f} GiB; "
-                             f"{', '.join(f'{u:.1f}' for u in used)} GiB held): stop a trial first")
-        devices = str(gpu)
-        attrs.update(gpu=gpu, predicted_gib=round(need, 2))
+        where = _place_trial(cfg, [t for t in trials if t.state == TrialState.RUNNING], gpus)
+        if where is None:
+            raise SweepError(f"no GPU has room for the clone now (the planner predicts "
+                             f"{_predicted_gib(cfg, gpus[0]):.1f} GiB): stop a trial first")
+        devices = _pin(cfg, where)
+        attrs.update(where)
     checkpoint = _copy_latest_checkpoint(number, Path(parent.run), folder / "clones")
     run = launcher.fork(parent.run, checkpoint, cfg, launcher.fork_name(parent.run, checkpoint),
                         sweep={"name": folder.name, "clone_of": number}, devices=devices)
