@@ -171,7 +171,7 @@ def test_on_a_cluster_trials_ask_ray_for_shares_of_a_gpu_that_fit_as_many_as_the
         while True:
             cfg = load_config(None, tiny_overrides(sample_sets, **{"trainer.device": "cuda",
                                                                   "trainer.ray_address": ray_address}))
-            where = sweeps._place_trial(cfg, placed, gpus)
+            where = sweeps._place_trial(cfg, need, placed, gpus)
             if where is None:
                 return pins
             pins.append((sweeps._pin(cfg, where), where))

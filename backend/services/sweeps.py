@@ -359,6 +359,11 @@ def request_stop(folder: str | Path) -> None:
 _processes: dict[int, subprocess.Popen] = {}
 
 
+def _base_trainer(folder: Path) -> dict[str, Any]:
+    """The trainer section of the sweep's base config, as written (its defaults left out)."""
+    return (yaml.safe_load((folder / "base.yaml").read_text()) or {}).get("trainer") or {}
+
+
 def start_sweep(folder: str | Path) -> None:
     """Run the sweep in a background process of its own session (`python -m backend sweep --resume`), as the
     launcher runs a trainer: closing the browser or restarting the workbench leaves it going; with
@@ -366,7 +371,7 @@ def start_sweep(folder: str | Path) -> None:
     output goes to `<folder>/sweep.log`."""
     folder = Path(folder)
     cmd = [sys.executable, "-m", "backend", "sweep", "--resume", str(folder), "--quiet"]
-    address = (yaml.safe_load((folder / "base.yaml").read_text()) or {}).get("trainer", {}).get("ray_address")
+    address = _base_trainer(folder).get("ray_address")
     if address:
         job = launcher.submit_job(address, cmd, folder / "sweep.log", folder / "sweep.log", {},
                                   on_error=lambda e: _write_state(folder, state="failed", error=str(e)))
@@ -391,7 +396,7 @@ def run_sweep(folder: str | Path, *, poll_s: float = 1.0, on_change: Callable[[d
     spec = read_spec(folder)
     study = _study(folder, spec)
     base_text = (folder / "base.yaml").read_text()
-    trainer = (yaml.safe_load(base_text) or {}).get("trainer") or {}
+    trainer = _base_trainer(folder)
     on_gpus = trainer.get("device", "auto") != "cpu"
     gpus = (_cluster_gpus(trainer["ray_address"]) if trainer.get("ray_address") else _visible_gpus()) if on_gpus else []
     pending: list[optuna.Trial] = []  # asked for, waiting for room to start
@@ -529,12 +534,12 @@ def _cluster_gpus(address: str) -> list[float]:
         ray.shutdown()
 
 
-def _place_trial(cfg: Config, running: list[optuna.trial.FrozenTrial], gpus: list[float]) -> dict[str, Any] | None:
-    """Where a trial of one GPU goes, as the user attributes that record it (None while no GPU has room): the GPU's
-    index and the planner's prediction, and on a Ray cluster the share of a GPU its worker asks Ray for. On one
-    machine the run is pinned to that GPU; on a cluster Ray picks the GPU and holds each GPU's shares to 1, so
-    there the shares are what is counted."""
-    need = _predicted_gib(cfg, gpus[0])
+def _place_trial(cfg: Config, need: float, running: list[optuna.trial.FrozenTrial],
+                 gpus: list[float]) -> dict[str, Any] | None:
+    """Where a trial of one GPU predicted to need `need` GiB goes, as the user attributes that record it (None while
+    no GPU has room): the GPU's index and the prediction, and on a Ray cluster the share of a GPU its worker asks
+    Ray for. On one machine the run is pinned to that GPU; on a cluster Ray picks the GPU and holds each GPU's
+    shares to 1, so there the shares are what is counted."""
     on = [[t for t in running if t.user_attrs.get("gpu") == i] for i in range(len(gpus))]
     if cfg.trainer.ray_address:
         share = gpu_share(need, min(gpus))
@@ -575,7 +580,7 @@ def _start_trial(study: optuna.Study, trial: optuna.Trial, folder: Path, base_te
         return None
     devices = None
     if gpus and cfg.trainer.device != "cpu" and workers == 1:
-        where = _place_trial(cfg, running, gpus)
+        where = _place_trial(cfg, _predicted_gib(cfg, gpus[0]), running, gpus)
         if where is None:
             return None
         devices = _pin(cfg, where)
@@ -722,10 +727,11 @@ def clone_trial(folder: str | Path, number: int, cfg: Config) -> int:
     # The GPUs the sweep's process found (the cluster's, on a cluster), not this process's.
     gpus = sweep["state"].get("gpus") or []
     if gpus and cfg.trainer.device != "cpu":
-        where = _place_trial(cfg, [t for t in trials if t.state == TrialState.RUNNING], gpus)
+        need = _predicted_gib(cfg, gpus[0])
+        where = _place_trial(cfg, need, [t for t in trials if t.state == TrialState.RUNNING], gpus)
         if where is None:
-            raise SweepError(f"no GPU has room for the clone now (the planner predicts "
-                             f"{_predicted_gib(cfg, gpus[0]):.1f} GiB): stop a trial first")
+            raise SweepError(f"no GPU has room for the clone now (the planner predicts {need:.1f} GiB): stop a "
+                             "trial first")
         devices = _pin(cfg, where)
         attrs.update(where)
     checkpoint = _copy_latest_checkpoint(number, Path(parent.run), folder / "clones")
