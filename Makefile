@@ -35,8 +35,10 @@ sample-data: setup
 lint: setup
 	$(PY) -m ruff check .
 
+# Two test processes, each taking whole files (their module fixtures, a run some tests share, are built once):
+# the suite's runs wait on start-ups and paced steps about half the time, and one process leaves a core idle then.
 test: setup lint $(CHROMIUM)
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30
 
 # The inner loop: every test that starts no run, Ray, server or browser (those are marked slow).
 test-fast: setup lint

@@ -246,9 +246,10 @@ def test_a_stop_signal_landing_inside_rays_wait_still_counts_as_a_stop_not_a_fai
     assert not _stopped(other) and not _stopped(SystemError("no cause"))
 
 
-# Each phase of a run and the stage text the trainer writes as it enters it. The config below stretches step
-# 1's phases to seconds each (512-token answers generated two at a time, ten update passes), so a stop lands
-# inside the phase seen.
+# Each phase of a run and the stage text the trainer writes as it enters it. STRETCH makes a phase of step 1 last
+# seconds, so a stop lands inside the phase seen: 512-token answers generated two at a time, or ten update
+# passes over them. The other phases take seconds as they are, and a run that stretched step 1 for nothing
+# would only make this test slower.
 PHASES = {
     "importing": "importing torch",
     "starting Ray": "starting Ray",
@@ -259,13 +260,18 @@ PHASES = {
 }
 
 
+LONG_ANSWERS = {"data.max_response_length": 512, "actor_rollout_ref.rollout.ignore_eos": "true",
+                "actor_rollout_ref.rollout.n": 8}
+STRETCH = {
+    "generating": {**LONG_ANSWERS, "actor_rollout_ref.rollout.generation_batch_size": 2},
+    "updating": {**LONG_ANSWERS, "actor_rollout_ref.actor.ppo_epochs": 10},
+}
+
+
 @pytest.mark.parametrize("phase", list(PHASES))
 def test_stop_ends_a_run_as_stopped_within_3_s_in_every_phase(tmp_path, sample_sets, phase):
     cfg = load_config(None, tiny_overrides(sample_sets, **{
-        "data.max_response_length": 512, "actor_rollout_ref.rollout.ignore_eos": "true",
-        "actor_rollout_ref.rollout.n": 8, "actor_rollout_ref.rollout.generation_batch_size": 2,
-        "actor_rollout_ref.actor.ppo_epochs": 10, "trainer.save_freq": 1,
-        "trainer.total_training_steps": 2, "data.val_files": "[]"}))
+        **STRETCH.get(phase, {}), "trainer.save_freq": 1, "trainer.total_training_steps": 2, "data.val_files": "[]"}))
     run_dir = launch(cfg, name="stopped", runs_root=tmp_path)
     wait_for(lambda: ((read_status(run_dir) or {}).get("stage") or "").startswith(PHASES[phase]))
     asked = time.monotonic()
