@@ -1,4 +1,7 @@
-"""Shared fixtures: tiny random models (built once per machine, cached) and the sample data sets."""
+"""Shared fixtures: tiny random models (built once per machine, cached) and the sample data sets.
+
+`make test` runs the files in two processes at once (pytest-xdist): a test takes free ports and folders of its
+own, and what it caches for the machine it writes atomically (`backend.core.models` builds models so)."""
 
 from __future__ import annotations
 
