@@ -37,7 +37,10 @@ lint: setup
 
 # Two test processes, each taking whole files (their module fixtures, a run some tests share, are built once):
 # the suite's runs wait on start-ups and paced steps about half the time, and one process leaves a core idle then.
+# The project's modules are compiled first: every run's trainer and workers, every server and CLI call the tests
+# start imports them, and where PYTHONDONTWRITEBYTECODE is set (as on CI) none would keep what it compiled.
 test: setup lint $(CHROMIUM)
+	$(PY) -m compileall -q backend app pages tests
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30
 
 # The inner loop: every test that starts no run, Ray, server or browser (those are marked slow).

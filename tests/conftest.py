@@ -12,7 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+
+# One OpenMP thread in every process the tests start: two test processes share two cores, each starting runs
+# with a worker beside them, and a torch thread pool of one thread per core in each of those processes
+# oversubscribed the cores. Set before torch is imported here; the runs, their workers and servers inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 # Triton kernels written for the GPU run in Triton's interpreter on a machine without one; it is chosen
 # when Triton is first imported, so before any test imports it. On a GPU it must stay off: it is inherited

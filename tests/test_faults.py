@@ -202,9 +202,8 @@ def test_when_the_ray_head_is_gone_the_run_fails_clearly_with_its_last_checkpoin
     assert checkpoint.load_merged_model(list_checkpoints(run_dir)[-1])
 
 
-def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_whole_one(tmp_path, config, rewards,
-                                                                                     straight_run):
-    run_dir = launch(config(paced=True), name="torn", runs_root=tmp_path)
+def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_whole_one(tmp_path, config, straight_run):
+    run_dir = launch(config(), name="torn", runs_root=tmp_path)
     # Step 4's checkpoint is written into .tmp_step_4 for some 40 ms: kill the whole process group as soon
     # as a file is in it. The run's processes are niced, so this poll (every millisecond) is not starved.
     writing, written = run_dir / "checkpoints" / ".tmp_step_4", run_dir / "checkpoints" / "step_4"
@@ -228,7 +227,7 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_whole
     assert whole[0] == "step_2" and set(whole) <= {"step_2", "step_4"}  # never a half-written one
     for name in whole:
         assert checkpoint.load_merged_model(run_dir / "checkpoints" / name)
-    resume(run_dir, overrides=[fast_reward_override(rewards)])
+    resume(run_dir)
     wait_for(lambda: (read_status(run_dir) or {}).get("state") == "succeeded")
     assert_same_run(straight_run, run_dir)
 
