@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
-# One OpenMP thread in every process the tests start: two test processes share two cores, each starting runs
-# with a worker beside them, and a torch thread pool of one thread per core in each of those processes
-# oversubscribed the cores. Set before torch is imported here; the runs, their workers and servers inherit it.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# In two test processes (`make test`), one OpenMP thread in every process the tests start: the two share two cores,
+# each starting runs with a worker beside them, and a torch thread pool of one thread per core in each of those
+# processes oversubscribed the cores. Set before torch is imported here; the runs, their workers and servers
+# inherit it. In one process (`make test-fast`) a test has the other core to itself and keeps torch's default.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
