@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from backend.core import checkpoint
 from backend.core.config import load_config
 from backend.core.runs import list_checkpoints, read_metrics, read_status
 from backend.engine.trainer import NonFiniteError, Trainer
-from backend.services.launcher import _alive, launch, list_runs, resume, stop
+from backend.services.launcher import _alive, launch, list_runs, log_tail, resume, stop
 
 from .conftest import tiny_overrides, wait_for
 
@@ -245,6 +246,29 @@ def test_a_stop_signal_landing_inside_rays_wait_still_counts_as_a_stop_not_a_fai
     assert not _stopped(other) and not _stopped(SystemError("no cause"))
 
 
+def test_a_stop_signal_landing_where_python_swallows_exceptions_still_stops_the_run(monkeypatch, capsys):
+    # Seen when a stop arrived while Ray started its processes: the handler's RunStopped, raised inside an
+    # at-fork hook of `logging`, was printed as "Exception ignored" and the run went on until it was killed.
+    from backend.engine import trainer
+
+    monkeypatch.setattr(trainer, "_stop_signal", None)
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10_000):  # the handler runs in here, where its exception cannot propagate
+                pass
+
+    undo = trainer._install_stop_handlers()
+    try:
+        with pytest.raises(trainer.RunStopped):
+            Finalized()
+            time.sleep(10)
+    finally:
+        undo()
+    assert "Exception ignored" not in capsys.readouterr().err
+
+
 # Each phase of a run and the stage text the trainer writes as it enters it. STRETCH makes a phase of step 1 last
 # seconds, so a stop lands inside the phase seen: 512-token answers generated two at a time, or ten update
 # passes over them. The other phases take seconds as they are, and a run that stretched step 1 for nothing
@@ -281,6 +305,8 @@ def test_stop_ends_a_run_as_stopped_within_3_s_in_every_phase(tmp_path, sample_s
     status = read_status(run_dir)
     assert status["state"] == "stopped" and took < 3.0
     assert not status.get("error") and not status.get("traceback")
+    assert "was killed" not in (status.get("note") or "")  # the trainer heard the stop and ended itself
+    assert not re.search("Traceback|Exception ignored", log_tail(run_dir))
     checkpoints = [p.name for p in list_checkpoints(run_dir)]
     if phase == "checkpointing":
         assert checkpoints == []  # the stop cut the write short, and the torn folder is not a checkpoint

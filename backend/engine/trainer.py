@@ -17,6 +17,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -807,27 +808,85 @@ def _place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> t
 
 # The stop signal this process received, if any: from then on whatever ends the run, ends it as `stopped`.
 _stop_signal: int | None = None
+# Whether that signal's RunStopped is yet to be raised where it propagates (see _install_stop_handlers).
+_stop_pending = False
+_in_unraisable_hook = False
+RESEND_STOP_S = 0.05
 
 
 def _install_stop_handlers() -> Callable[[], None]:
     """SIGTERM (the UI's stop button) ends the run cleanly as `stopped`; returns an undo function.
 
     The first signal raises RunStopped wherever the main thread is; later ones are ignored, so a second
-    stop cannot cut short the writing of the first one's final status."""
-    global _stop_signal
-    _stop_signal = None
+    stop cannot cut short the writing of the first one's final status. Where an exception cannot propagate
+    (a __del__, a weakref callback, the at-fork hooks of `logging` that run as Ray starts its processes),
+    Python hands it to sys.unraisablehook, which prints "Exception ignored in" and goes on: the run went on
+    untouched until the launcher killed it. A RunStopped lost that way is not printed; a thread signals the
+    main thread again until one is raised where it propagates."""
+    global _stop_signal, _stop_pending
+    _stop_signal, _stop_pending = None, False
 
     def handler(signum, frame):
-        global _stop_signal
-        if _stop_signal is not None:
+        global _stop_signal, _stop_pending
+        if _stop_signal is None:
+            _stop_signal, _stop_pending = signum, True
+        elif not _stop_pending:
             return
-        _stop_signal = signum
+        if _in_unraisable_hook:  # raised here, it would be lost without a word
+            _resend_stop()
+            return
+        _stop_pending = False
         raise RunStopped(f"received signal {signum}")
+
+    def unraisable(args) -> None:
+        global _stop_pending, _in_unraisable_hook
+        if threading.current_thread() is not threading.main_thread():
+            hook(args)
+            return
+        _in_unraisable_hook = True
+        try:
+            if isinstance(args.exc_value, RunStopped):
+                _stop_pending = True
+                _resend_stop()
+            else:
+                hook(args)
+        finally:
+            _in_unraisable_hook = False
+
     try:
         previous = signal.signal(signal.SIGTERM, handler)
     except ValueError:  # not the main thread (e.g. a UI test harness): nothing to install
         return lambda: None
-    return lambda: signal.signal(signal.SIGTERM, previous)
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable
+
+    def undo() -> None:
+        global _stop_pending
+        _stop_pending = False
+        if _resender is not None:  # its next signal must not meet the default handler, which kills
+            _resender.join()
+        signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = hook
+    return undo
+
+
+_resender: threading.Thread | None = None
+
+
+def _resend_stop() -> None:
+    """Signal the main thread every RESEND_STOP_S while a stop is pending. From a thread: a signal the main
+    thread sends itself runs its handler at once, still inside the hook. A real signal, aimed at the main
+    thread, so that one blocked in a system call (a sleep, a wait on Ray) wakes to it."""
+    global _resender
+
+    def resend() -> None:
+        while _stop_pending:
+            time.sleep(RESEND_STOP_S)
+            if _stop_pending:
+                signal.pthread_kill(threading.main_thread().ident, _stop_signal)
+
+    if _resender is None or not _resender.is_alive():
+        _resender = threading.Thread(target=resend, name="resend-stop", daemon=True)
+        _resender.start()
 
 
 def _stopped(e: BaseException) -> bool:
