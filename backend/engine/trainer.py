@@ -808,9 +808,11 @@ def _place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> t
 
 # The stop signal this process received, if any: from then on whatever ends the run, ends it as `stopped`.
 _stop_signal: int | None = None
-# Whether that signal's RunStopped is yet to be raised where it propagates (see _install_stop_handlers).
+# Whether that signal's RunStopped is yet to be raised where it propagates (see _install_stop_handlers), whether
+# the main thread is inside the unraisable hook (where a raise would be lost), and the thread that signals again.
 _stop_pending = False
 _in_unraisable_hook = False
+_resender: threading.Thread | None = None
 RESEND_STOP_S = 0.05
 
 
@@ -867,9 +869,6 @@ def _install_stop_handlers() -> Callable[[], None]:
         signal.signal(signal.SIGTERM, previous)
         sys.unraisablehook = hook
     return undo
-
-
-_resender: threading.Thread | None = None
 
 
 def _resend_stop() -> None:
