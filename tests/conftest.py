@@ -5,8 +5,10 @@ own, and what it caches for the machine it writes atomically (`backend.core.mode
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -56,7 +58,24 @@ CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12
 @pytest.fixture(scope="session")
 def tool_model(tmp_path_factory) -> Path:
     """tiny-qwen3 taught (150 supervised steps) to answer questions like "What is 55 + 1?" on every turn, first
-    or after a tool's output, with one calculator call: a real model whose episodes call a real tool."""
+    or after a tool's output, with one calculator call: a real model whose episodes call a real tool.
+
+    Taught once for the whole suite: the test processes of `make test` share it, the first to need it teaching
+    it while the others wait (it is half a minute of CPU, and the files that use it often land in both)."""
+    base = tmp_path_factory.getbasetemp()
+    # Under pytest-xdist each process has a folder of its own inside the suite's; the suite's is shared.
+    out = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "tool_model"
+    with open(out.with_name("tool_model.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            partial = out.with_name("tool_model.partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            _teach_tool_model(partial)
+            partial.rename(out)
+    return out
+
+
+def _teach_tool_model(out: Path) -> None:
     from backend.core.models import load_model, load_tokenizer
     from backend.envs.tools import get_tool
     from backend.rollout.episodes import ChatRenderer
@@ -88,10 +107,8 @@ def tool_model(tmp_path_factory) -> Path:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    out = tmp_path_factory.mktemp("tool_model")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    return out
 
 
 _IMPORT_HOOK = """
