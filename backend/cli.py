@@ -589,9 +589,11 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--parallel", type=int, default=1,
                     help="trials at once; 0: as many as fit (GPUs: by the planner, CPU: one per two cores)")
     sw.add_argument("--early-stopping", choices=("off", "median", "halving"), default="off",
-                    help="stop trials whose metric trails the finished ones' (median) or their rung's (halving)")
+                    help="stop trials whose metric trails the finished ones' (median), or that are outside the best "
+                    "quarter at steps S, 4S, 16S... once every running trial has reached them (halving)")
     sw.add_argument("--startup-trials", type=int, default=2, help="finished trials before any is stopped early")
-    sw.add_argument("--min-steps", type=int, default=1, help="steps a trial runs before it can be stopped early")
+    sw.add_argument("--min-steps", type=int, default=1, help="steps a trial runs before it can be stopped early "
+                    "(S: halving's first rung)")
     sw.add_argument("--name", default="", help="the sweep's folder name and its trials' prefix")
     sw.add_argument("--runs-root", default=None, help="default: the config's trainer.runs_root")
     sw.add_argument("--resume", metavar="SWEEP_DIR", default=None, help="continue a sweep after a restart")

@@ -9,9 +9,10 @@ A sweep lives in `<runs_root>/sweeps/<name>/`:
 
 Each trial is an ordinary run in `<runs_root>` (named `<sweep>-<trial number>`, its status.json says which
 sweep and trial), so the run pages, resume and compare work on it. Optuna chooses the settings (the grid in
-the order written, or its random sampler over ranges) and decides which trial to stop from the metric each
-run logs (its median or successive-halving pruner); this module starts, watches and stops runs, and keeps
-everything on disk, so a sweep continues after the workbench or the machine restarts (`run_sweep` again).
+the order written, or its random sampler over ranges), and its median pruner decides which trial to stop from
+the metric each run logs; successive halving, which must rank the trials at a rung together, is `halving`'s.
+This module starts, watches and stops runs, and keeps everything on disk, so a sweep continues after the
+workbench or the machine restarts (`run_sweep` again).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +52,7 @@ from backend.core.config import (
 )
 from backend.core.runs import atomic_write_text, latest_checkpoint, read_metrics
 from backend.core.workspace import PathError, check_name
-from backend.services import launcher
+from backend.services import halving, launcher
 
 EARLY_STOPPING = ("off", "median", "halving")
 DIRECTIONS = {"max": "maximize", "min": "minimize"}
@@ -89,8 +91,8 @@ class SweepSpec:
     steps: int | None = None
     parallel: int = 1
     early_stopping: str = "off"
-    # The pruner compares a trial with trials that finished: it waits for this many, and for this many steps
-    # of the trial itself, before it stops one.
+    # The median pruner compares a trial with trials that finished: it waits for this many, and for this many
+    # steps of the trial itself, before it stops one. Successive halving's first rung is at `min_steps`.
     startup_trials: int = 2
     min_steps: int = 1
     seed: int = 0
@@ -314,9 +316,7 @@ def _study(folder: Path, spec: SweepSpec, *, create: bool = False, name: str = "
     if spec.early_stopping == "median":
         pruner: optuna.pruners.BasePruner = optuna.pruners.MedianPruner(
             n_startup_trials=spec.startup_trials, n_warmup_steps=spec.min_steps)
-    elif spec.early_stopping == "halving":
-        pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=max(1, spec.min_steps))
-    else:
+    else:  # successive halving ranks a rung's trials together (`_halve`), which no Optuna pruner does
         pruner = optuna.pruners.NopPruner()
     sampler = optuna.samplers.RandomSampler(seed=spec.seed)
     kwargs = dict(study_name=name or folder.name, storage=storage, sampler=sampler, pruner=pruner)
@@ -428,6 +428,8 @@ def run_sweep(folder: str | Path, *, poll_s: float = 1.0, on_change: Callable[[d
                 _watch(study, spec, t)
             except (OSError, ValueError) as e:  # its run folder deleted or unreadable: that trial ends, not the sweep
                 _end_trial(study, t, "failed", f"its run could not be read: {e}")
+        if spec.early_stopping == "halving":
+            _halve(study, spec)
         trials = study.get_trials(deepcopy=False)
         running = [t for t in trials if t.state == TrialState.RUNNING and t.number not in waiting]
         started = sum(t.state != TrialState.WAITING and not t.user_attrs.get("requeued")
@@ -640,7 +642,7 @@ def _watch(study: optuna.Study, spec: SweepSpec, frozen: optuna.trial.FrozenTria
         if step in frozen.intermediate_values:
             continue
         trial.report(value, step)
-        if spec.early_stopping != "off" and status.get("state") in launcher.ACTIVE and trial.should_prune():
+        if spec.early_stopping == "median" and status.get("state") in launcher.ACTIVE and trial.should_prune():
             launcher.stop(run)
             trial.set_user_attr("reason", _pruned_reason(spec, step, value))
             study.tell(trial, state=TrialState.PRUNED)
@@ -664,8 +666,8 @@ def _watch(study: optuna.Study, spec: SweepSpec, frozen: optuna.trial.FrozenTria
         _retry_alone(study, frozen, status["error"])
     elif state == "failed":
         _end_trial(study, frozen, "failed", status.get("error") or "the run failed")
-    elif state == "stopped":
-        _end_trial(study, frozen, "stopped", "stopped by hand")
+    elif state == "stopped":  # by hand, or by `_halve` before the sweep's process could record it
+        _end_trial(study, frozen, "stopped", frozen.user_attrs.get("reason") or "stopped by hand")
 
 
 # How a worker's CUDA out-of-memory error reads in a run's status (torch.OutOfMemoryError's message).
@@ -687,9 +689,46 @@ def _retry_alone(study: optuna.Study, frozen: optuna.trial.FrozenTrial, error: s
 
 
 def _pruned_reason(spec: SweepSpec, step: int, value: float) -> str:
-    how = ("worse than the median of the finished trials at that step" if spec.early_stopping == "median"
-           else "not among the best of its rung (successive halving)")
-    return f"stopped early at step {step}: {spec.metric} {value:.4g} is {how}"
+    return (f"stopped early at step {step}: {spec.metric} {value:.4g} is worse than the median of the finished "
+            "trials at that step")
+
+
+def _halve(study: optuna.Study, spec: SweepSpec) -> None:
+    """Judge the rungs every running trial has reached (`halving.judge`): record each verdict's value on the
+    trial, and stop the trials that fall outside their rung's best quarter, all at once."""
+    trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get("hidden")]
+    rung_trials = [halving.RungTrial(
+        number=t.number, curve=dict(t.intermediate_values), judged=list(t.user_attrs.get("rungs", [])),
+        running=t.state == TrialState.RUNNING and "run" in t.user_attrs,
+        counts=t.state != TrialState.FAIL and not t.user_attrs.get("halved")) for t in trials]
+    verdicts = halving.judge(rung_trials, max(1, spec.min_steps), spec.direction == "max")
+    by_number = {t.number: t for t in trials}
+    judged = {t.number: list(t.user_attrs.get("rungs", [])) for t in trials}
+    stopping = []
+    for v in verdicts:
+        frozen = by_number[v.number]
+        trial = optuna.trial.Trial(study, frozen._trial_id)
+        judged[v.number].append(v.value)
+        trial.set_user_attr("rungs", judged[v.number])
+        if not v.goes_on:
+            step = max(frozen.intermediate_values)
+            trial.set_user_attr("halved", True)
+            trial.set_user_attr("reason", (
+                f"stopped early at step {step}: {spec.metric} {v.value:.4g} at step {v.rung_step} is not among the "
+                f"best {v.kept} of the {v.of} trials that reached it (successive halving)"))
+            stopping.append(frozen)
+    if not stopping:
+        return
+    # Stopped one by one, each would wait for the one before to let go of its GPU memory and processes.
+    with ThreadPoolExecutor(max_workers=len(stopping)) as pool:
+        list(pool.map(_stop_quietly, [t.user_attrs["run"] for t in stopping]))
+    for frozen in stopping:
+        study.tell(optuna.trial.Trial(study, frozen._trial_id), state=TrialState.PRUNED)
+
+
+def _stop_quietly(run: str) -> None:
+    with contextlib.suppress(ValueError, OSError):  # on another host, or its folder gone: it is pruned anyway
+        launcher.stop(run)
 
 
 def _end_trial(study: optuna.Study, frozen: optuna.trial.FrozenTrial, how: str, reason: str) -> None:
