@@ -589,8 +589,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--parallel", type=int, default=1,
                     help="trials at once; 0: as many as fit (GPUs: by the planner, CPU: one per two cores)")
     sw.add_argument("--early-stopping", choices=("off", "median", "halving"), default="off",
-                    help="stop trials whose metric trails the finished ones' (median), or that are outside the best "
-                    "quarter at steps S, 4S, 16S... once every running trial has reached them (halving)")
+                    help="stop trials whose metric trails the finished ones' (median); or of N trials keep the best "
+                    "N/4 at step S, N/16 at 4S..., ranked once every running trial has reached it (halving)")
     sw.add_argument("--startup-trials", type=int, default=2, help="finished trials before any is stopped early")
     sw.add_argument("--min-steps", type=int, default=1, help="steps a trial runs before it can be stopped early "
                     "(S: halving's first rung)")

@@ -47,8 +47,8 @@ def _new_sweep(root) -> None:
     parallel = c1.number_input("Trials at once (0: as many as fit)", min_value=0, value=1, key="sweep_parallel")
     early = c2.selectbox("Early stopping", sweeps.EARLY_STOPPING, key="sweep_early",
                          help="median: stop a trial whose metric is worse than the median of the finished trials "
-                              "at the same step (Optuna's median pruner); halving: at steps 1, 4, 16, 64... only the "
-                              "best quarter goes on, ranked once every running trial has reached that step.")
+                              "at the same step (Optuna's median pruner); halving: of N trials, the best N/4 at step 1 "
+                              "go on, N/16 at step 4, and so on, ranked once every running trial has reached the step.")
     name = c3.text_input("Sweep name", key="sweep_name", placeholder="lr-n")
     if st.button("Start sweep", key="sweep_start", type="primary", disabled=cfg is None):
         lines = [line.strip() for line in keys.splitlines() if line.strip()]

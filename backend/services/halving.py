@@ -1,14 +1,16 @@
 """Successive halving that judges a rung once every running trial has reached it.
 
-Rungs sit at `min_steps x 4^k` steps. At each, the best quarter of the values logged there goes on (at least
-the best one) and the rest stop: Optuna's rule (`SuccessiveHalvingPruner`, reduction factor 4). Optuna applies
-it the moment a trial reports a rung, against the trials that reported it earlier (asynchronous successive
-halving, Li et al. 2020). When a sweep runs its trials at once, arrival order then decides: trials with smaller
-groups reach a rung first and go on as the best so far, while a better but slower trial arrives later, is
-measured against more, and stops. Here the trials that reach a rung while others are still on their way wait
-for them and are ranked together, as synchronous successive halving ranks a whole rung (Jamieson and Talwalkar
-2016; Hyperband's brackets). A trial judged alone, with no other trial running, meets Optuna's rule exactly.
-Waiting trials keep training: a rung's verdict costs them steps, never a pause.
+Rungs sit at `min_steps x 4^k` steps. Of a sweep of N trials, the best N/4 at the first rung go on, the best
+N/16 at the second, and so on (at least one): synchronous successive halving's quota (Jamieson and Talwalkar
+2016; Hyperband's brackets). A trial is judged against the values logged at its rung so far, and goes on while
+it is among the best of the quota there; so a trial within the quota of the whole rung is never stopped, however
+the trials arrive. Trials that reach a rung while other running trials are still on their way wait for them,
+training on, and are ranked together: with all of a sweep's trials at once that is exactly the synchronous rule,
+and with trials queued, fewer go on by chance of arriving early.
+
+Optuna's `SuccessiveHalvingPruner` takes the quota from the values so far instead (asynchronous successive
+halving, Li et al. 2020): the first of eight trials at a rung goes on as the best so far, and one arriving sixth
+must beat all five before it, so arrival order decides which settings survive when trials run at once.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class RungTrial:
 @dataclass(frozen=True)
 class Verdict:
     """Trial `number`, judged at `rung` (step `rung_step`) on `value`: it goes on, or stops, being outside the
-    best `kept` of the `of` values logged at that rung."""
+    best `kept` (the rung's quota) of the `of` values logged at that rung so far."""
 
     number: int
     rung: int
@@ -55,10 +57,16 @@ def value_at(curve: dict[int, float], step: int) -> float | None:
     return curve[min(later)] if later else None
 
 
-def judge(trials: list[RungTrial], min_steps: int, maximize: bool) -> list[Verdict]:
-    """The verdicts due now, lowest rung first. A rung is due once every running trial has reached it (or passed
-    it); the running trials waiting there are ranked with every value already counted at that rung: the values
-    trials were judged on, and those of trials that ended (completed or stopped by hand) without a verdict."""
+def quota(total: int, rung: int) -> int:
+    """How many of a sweep of `total` trials go on from `rung`: total / 4^(rung + 1), at least one."""
+    return max(1, total // REDUCTION_FACTOR ** (rung + 1))
+
+
+def judge(trials: list[RungTrial], min_steps: int, maximize: bool, total: int) -> list[Verdict]:
+    """The verdicts due now in a sweep of `total` trials, lowest rung first. A rung is due once every running
+    trial has reached it (or passed it); the running trials waiting there are ranked with every value already
+    counted at that rung (the values trials were judged on, and those of trials that ended, completed or
+    stopped by hand, without a verdict), and those among the rung's quota of best values go on."""
     judged = {t.number: list(t.judged) for t in trials}
     alive = [t for t in trials if t.running]
     verdicts: list[Verdict] = []
@@ -74,8 +82,8 @@ def judge(trials: list[RungTrial], min_steps: int, maximize: bool) -> list[Verdi
             values = [v for t in trials if t.number not in waiting
                       and (v := _counted(t, judged[t.number], rung, step)) is not None]
             values += [value_at(t.curve, step) for t in here]
-            kept = max(1, len(values) // REDUCTION_FACTOR)
-            bar = sorted(values, reverse=maximize)[kept - 1]
+            kept = quota(total, rung)
+            bar = sorted(values, reverse=maximize)[min(kept, len(values)) - 1]
             for t in here:
                 value = value_at(t.curve, step)
                 goes_on = value >= bar if maximize else value <= bar

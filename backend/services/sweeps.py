@@ -694,14 +694,15 @@ def _pruned_reason(spec: SweepSpec, step: int, value: float) -> str:
 
 
 def _halve(study: optuna.Study, spec: SweepSpec) -> None:
-    """Judge the rungs every running trial has reached (`halving.judge`): record each verdict's value on the
-    trial, and stop the trials that fall outside their rung's best quarter, all at once."""
+    """Judge the rungs every running trial has reached (`halving.judge`; clones add to the sweep's trials):
+    record each verdict's value on the trial, and stop the trials outside their rung's quota, all at once."""
     trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get("hidden")]
     rung_trials = [halving.RungTrial(
         number=t.number, curve=dict(t.intermediate_values), judged=list(t.user_attrs.get("rungs", [])),
         running=t.state == TrialState.RUNNING and "run" in t.user_attrs,
         counts=t.state != TrialState.FAIL and not t.user_attrs.get("halved")) for t in trials]
-    verdicts = halving.judge(rung_trials, max(1, spec.min_steps), spec.direction == "max")
+    total = spec.total_trials() + sum("clone_of" in t.user_attrs for t in trials)
+    verdicts = halving.judge(rung_trials, max(1, spec.min_steps), spec.direction == "max", total)
     by_number = {t.number: t for t in trials}
     judged = {t.number: list(t.user_attrs.get("rungs", [])) for t in trials}
     stopping = []
@@ -715,7 +716,8 @@ def _halve(study: optuna.Study, spec: SweepSpec) -> None:
             trial.set_user_attr("halved", True)
             trial.set_user_attr("reason", (
                 f"stopped early at step {step}: {spec.metric} {v.value:.4g} at step {v.rung_step} is not among the "
-                f"best {v.kept} of the {v.of} trials that reached it (successive halving)"))
+                f"best {v.kept} of the {v.of} values logged there (successive halving keeps {v.kept} of the "
+                f"{total} trials at that step)"))
             stopping.append(frozen)
     if not stopping:
         return
