@@ -6,7 +6,7 @@ N/16 at the second, and so on (at least one): synchronous successive halving's q
 it is among the best of the quota there; so a trial within the quota of the whole rung is never stopped, however
 the trials arrive. Trials that reach a rung while other running trials are still on their way wait for them,
 training on, and are ranked together: with all of a sweep's trials at once that is exactly the synchronous rule,
-and with trials queued, fewer go on by chance of arriving early.
+and with trials queued it spares the steps of trials that would go on only for having arrived first.
 
 Optuna's `SuccessiveHalvingPruner` takes the quota from the values so far instead (asynchronous successive
 halving, Li et al. 2020): the first of eight trials at a rung goes on as the best so far, and one arriving sixth
