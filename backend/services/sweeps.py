@@ -704,7 +704,7 @@ def _halve(study: optuna.Study, spec: SweepSpec) -> None:
     total = spec.total_trials() + sum("clone_of" in t.user_attrs for t in trials)
     verdicts = halving.judge(rung_trials, max(1, spec.min_steps), spec.direction == "max", total)
     by_number = {t.number: t for t in trials}
-    judged = {t.number: list(t.user_attrs.get("rungs", [])) for t in trials}
+    judged = {t.number: list(t.judged) for t in rung_trials}
     stopping = []
     for v in verdicts:
         frozen = by_number[v.number]
@@ -738,8 +738,7 @@ def _end_trial(study: optuna.Study, frozen: optuna.trial.FrozenTrial, how: str, 
     as pruned (its values stay comparable), one that did not as failed."""
     run = frozen.user_attrs.get("run")
     if run and how == "stopped":
-        with contextlib.suppress(ValueError, OSError):
-            launcher.stop(run)
+        _stop_quietly(run)
     trial = optuna.trial.Trial(study, frozen._trial_id)
     trial.set_user_attr("reason", reason)
     study.tell(trial, state=TrialState.PRUNED if how == "stopped" and frozen.intermediate_values
