@@ -161,9 +161,9 @@ def test_a_raising_reward_function_scores_zero_and_the_run_goes_on(tmp_path, sam
 
 def test_responses_are_scored_while_the_reference_log_probs_are_computed(tmp_path, sample_sets, monkeypatch):
     """The reward function scores 1 only once the run's live stage says the reference pass has begun: it
-    can see that only if scoring runs alongside the log-prob passes rather than before them. One step of
-    two must see it: on a loaded machine the first step's scorer threads can start after a short
-    reference pass has ended."""
+    can see that only if scoring runs alongside the log-prob passes rather than before or after them. Some
+    response must see it: on a loaded machine a scorer thread can start after a short reference pass has
+    ended and score 0, but scored before or after the passes, every response scores 0."""
     reward = tmp_path / "waiting_reward.py"
     reward.write_text(
         "import json, os, time\n\n"
@@ -182,7 +182,7 @@ def test_responses_are_scored_while_the_reference_log_probs_are_computed(tmp_pat
     train(tmp_path / "r", sample_sets, **{"custom_reward_function.path": str(reward), "data.val_files": "[]",
                                           "actor_rollout_ref.actor.use_kl_loss": "true", "reward.timeout_s": 60})
     lines = read_metrics(tmp_path / "r")
-    assert 1.0 in [m["critic/score/mean"] for m in lines]
+    assert max(m["critic/score/mean"] for m in lines) > 0
     assert all(m["timing_s/reward"] > 0 for m in lines)
 
 
