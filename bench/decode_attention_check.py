@@ -4,9 +4,10 @@ each, head_dim 128) and several numbers of written slots. Prints a table, writes
 
     python bench/decode_attention_check.py --out bench/results/<date>-h200-decode-attention.json
 
---sweep also times every kernel setting (loop form, slots per block, warps, pipeline stages) at 136 and
-272 written slots, each checked against the fp32 reference, fastest first; --apply then writes the fastest
-(least time at 136 and 272 slots together, within bf16 tolerance) into backend/kernels/decode_attention.py's defaults.
+--sweep also times every kernel setting (tensor cores or sums in registers, loop form, slots per block, warps,
+pipeline stages) at 136 and 272 written slots, each checked against the fp32 reference, fastest first; --apply
+then writes the fastest (least time at 136 and 272 slots together, within bf16 tolerance) into
+backend/kernels/decode_attention.py's defaults.
 """
 
 from __future__ import annotations
@@ -27,18 +28,28 @@ from backend.kernels import decode_attention as kernel  # noqa: E402
 from backend.kernels.decode_attention import decode_attention  # noqa: E402
 
 
-def timed(fn, repeats: int = 50) -> float:
-    """Median milliseconds of `fn` over `repeats` runs, after a warm-up."""
-    fn()
+def timed(fn, repeats: int = 20, calls: int = 20) -> float:
+    """Median device milliseconds of one call of `fn`, replayed `calls` at a time from a CUDA graph, as the
+    engine replays its decode step: launched one by one from Python, a call this short would time the launch."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles the kernel and warms PyTorch's paths outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     return sorted(times)[len(times) // 2]
 
 
@@ -82,8 +93,8 @@ def main() -> None:
               f"{r['torch_sdpa_bucket_ms']:>8.3f} {r['kernel_gb_per_s']:>12.0f}")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": b, "kv_heads": n_kv,
               "group": g, "head_dim": d, "per_layer_call": rows,
-              "defaults": {"pipelined": kernel.PIPELINED, "block": kernel.BLOCK_SLOTS, "num_warps": kernel.NUM_WARPS,
-                           "num_stages": kernel.NUM_STAGES}}
+              "defaults": {"mma": kernel.MMA, "pipelined": kernel.PIPELINED, "block": kernel.BLOCK_SLOTS,
+                           "num_warps": kernel.NUM_WARPS, "num_stages": kernel.NUM_STAGES}}
     if args.sweep:
         result["sweep"] = sweep(q, k_cache, v_cache, valid, slots)
         if args.apply:
@@ -93,17 +104,22 @@ def main() -> None:
 
 
 def sweep(q, k_cache, v_cache, valid, slots: int) -> list[dict]:
-    settings = [(False, block, warps, 1) for block in (32, 64, 128) for warps in (4, 8)]
-    settings += [(True, block, warps, stages) for block in (32, 64, 128) for warps in (4, 8) for stages in (1, 2, 3, 4)]
+    settings = [(True, False, block, warps, 1) for block in (32, 64, 128) for warps in (4, 8)]
+    settings += [(True, True, block, warps, stages) for block in (32, 64, 128) for warps in (4, 8)
+                 for stages in (1, 2, 3, 4)]
+    # Sums in registers: a block's keys and values times the group live in registers, so blocks are smaller.
+    settings += [(False, False, block, warps, 1) for block in (16, 32) for warps in (2, 4, 8)]
+    settings += [(False, True, block, warps, stages) for block in (8, 16, 32, 64) for warps in (2, 4, 8)
+                 for stages in (1, 2, 3)]
     out = []
-    for pipelined, block, warps, stages in settings:
-        row = {"pipelined": pipelined, "block": block, "num_warps": warps, "num_stages": stages}
+    for mma, pipelined, block, warps, stages in settings:
+        row = {"mma": mma, "pipelined": pipelined, "block": block, "num_warps": warps, "num_stages": stages}
         try:
             for written in (136, slots):
                 slot = torch.tensor([written - 1], device=q.device)
                 call = functools.partial(decode_attention, q, k_cache, v_cache, k_cache[:, :, written - 1],
                                          v_cache[:, :, written - 1], valid, slot, block=block,
-                                         num_warps=warps, num_stages=stages, pipelined=pipelined)
+                                         num_warps=warps, num_stages=stages, pipelined=pipelined, mma=mma)
                 ref = F.scaled_dot_product_attention(q.float(), k_cache[:, :, :written].float(),
                                                      v_cache[:, :, :written].float(),
                                                      attn_mask=valid[:, None, None, :written])
@@ -113,14 +129,16 @@ def sweep(q, k_cache, v_cache, valid, slots: int) -> list[dict]:
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         out.append(row)
     out.sort(key=lambda r: r.get(f"ms_{slots}", float("inf")))
-    print(f"\n{'pipelined':>9} {'block':>5} {'warps':>5} {'stages':>6} {'ms@136':>8} {'ms@' + str(slots):>8} "
-          f"{'max err':>9}")
+    print(f"\n{'mma':>5} {'pipelined':>9} {'block':>5} {'warps':>5} {'stages':>6} {'ms@136':>8} "
+          f"{'ms@' + str(slots):>8} {'max err':>9}")
     for r in out:
+        setting = (f"{r['mma']!s:>5} {r['pipelined']!s:>9} {r['block']:>5} {r['num_warps']:>5} "
+                   f"{r['num_stages']:>6}")
         if "error" in r:
-            print(f"{r['pipelined']!s:>9} {r['block']:>5} {r['num_warps']:>5} {r['num_stages']:>6} {r['error']}")
+            print(f"{setting} {r['error']}")
         else:
-            print(f"{r['pipelined']!s:>9} {r['block']:>5} {r['num_warps']:>5} {r['num_stages']:>6} {r['ms_136']:>8.3f} "
-                  f"{r[f'ms_{slots}']:>8.3f} {max(r['max_err_136'], r[f'max_err_{slots}']):>9.2e}")
+            print(f"{setting} {r['ms_136']:>8.3f} {r[f'ms_{slots}']:>8.3f} "
+                  f"{max(r['max_err_136'], r[f'max_err_{slots}']):>9.2e}")
     return out
 
 
@@ -130,7 +148,7 @@ def apply_fastest(rows: list[dict], slots: int) -> dict:
     path = Path(kernel.__file__)
     text = path.read_text()
     for name, value in (("BLOCK_SLOTS", best["block"]), ("NUM_WARPS", best["num_warps"]),
-                        ("NUM_STAGES", best["num_stages"]), ("PIPELINED", best["pipelined"])):
+                        ("NUM_STAGES", best["num_stages"]), ("PIPELINED", best["pipelined"]), ("MMA", best["mma"])):
         text, n = re.subn(rf"^{name} = .*$", f"{name} = {value}", text, count=1, flags=re.M)
         assert n == 1, name
     path.write_text(text)
