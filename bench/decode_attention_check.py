@@ -4,10 +4,9 @@ each, head_dim 128) and several numbers of written slots. Prints a table, writes
 
     python bench/decode_attention_check.py --out bench/results/<date>-h200-decode-attention.json
 
---sweep also times every kernel setting (tensor cores or sums in registers, loop form, slots per block, warps,
-pipeline stages) at 136 and 272 written slots, each checked against the fp32 reference, fastest first; --apply
-then writes the fastest (least time at 136 and 272 slots together, within bf16 tolerance) into
-backend/kernels/decode_attention.py's defaults.
+--sweep also times every kernel setting (loop form, slots per block, warps, pipeline stages) at 136 and 272
+written slots, each checked against the fp32 reference, fastest first; --apply then writes the fastest (least
+time at 136 and 272 slots together, within bf16 tolerance) into backend/kernels/decode_attention.py's defaults.
 """
 
 from __future__ import annotations
@@ -93,8 +92,8 @@ def main() -> None:
               f"{r['torch_sdpa_bucket_ms']:>8.3f} {r['kernel_gb_per_s']:>12.0f}")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": b, "kv_heads": n_kv,
               "group": g, "head_dim": d, "per_layer_call": rows,
-              "defaults": {"mma": kernel.MMA, "pipelined": kernel.PIPELINED, "block": kernel.BLOCK_SLOTS,
-                           "num_warps": kernel.NUM_WARPS, "num_stages": kernel.NUM_STAGES}}
+              "defaults": {"pipelined": kernel.PIPELINED, "block": kernel.BLOCK_SLOTS, "num_warps": kernel.NUM_WARPS,
+                           "num_stages": kernel.NUM_STAGES}}
     if args.sweep:
         result["sweep"] = sweep(q, k_cache, v_cache, valid, slots)
         if args.apply:
@@ -104,22 +103,17 @@ def main() -> None:
 
 
 def sweep(q, k_cache, v_cache, valid, slots: int) -> list[dict]:
-    settings = [(True, False, block, warps, 1) for block in (32, 64, 128) for warps in (4, 8)]
-    settings += [(True, True, block, warps, stages) for block in (32, 64, 128) for warps in (4, 8)
-                 for stages in (1, 2, 3, 4)]
-    # Sums in registers: a block's keys and values times the group live in registers, so blocks are smaller.
-    settings += [(False, False, block, warps, 1) for block in (16, 32) for warps in (2, 4, 8)]
-    settings += [(False, True, block, warps, stages) for block in (8, 16, 32, 64) for warps in (2, 4, 8)
-                 for stages in (1, 2, 3)]
+    settings = [(False, block, warps, 1) for block in (32, 64, 128) for warps in (4, 8)]
+    settings += [(True, block, warps, stages) for block in (32, 64, 128) for warps in (4, 8) for stages in (1, 2, 3, 4)]
     out = []
-    for mma, pipelined, block, warps, stages in settings:
-        row = {"mma": mma, "pipelined": pipelined, "block": block, "num_warps": warps, "num_stages": stages}
+    for pipelined, block, warps, stages in settings:
+        row = {"pipelined": pipelined, "block": block, "num_warps": warps, "num_stages": stages}
         try:
             for written in (136, slots):
                 slot = torch.tensor([written - 1], device=q.device)
                 call = functools.partial(decode_attention, q, k_cache, v_cache, k_cache[:, :, written - 1],
                                          v_cache[:, :, written - 1], valid, slot, block=block,
-                                         num_warps=warps, num_stages=stages, pipelined=pipelined, mma=mma)
+                                         num_warps=warps, num_stages=stages, pipelined=pipelined)
                 ref = F.scaled_dot_product_attention(q.float(), k_cache[:, :, :written].float(),
                                                      v_cache[:, :, :written].float(),
                                                      attn_mask=valid[:, None, None, :written])
@@ -129,11 +123,10 @@ def sweep(q, k_cache, v_cache, valid, slots: int) -> list[dict]:
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         out.append(row)
     out.sort(key=lambda r: r.get(f"ms_{slots}", float("inf")))
-    print(f"\n{'mma':>5} {'pipelined':>9} {'block':>5} {'warps':>5} {'stages':>6} {'ms@136':>8} "
-          f"{'ms@' + str(slots):>8} {'max err':>9}")
+    print(f"\n{'pipelined':>9} {'block':>5} {'warps':>5} {'stages':>6} {'ms@136':>8} {'ms@' + str(slots):>8} "
+          f"{'max err':>9}")
     for r in out:
-        setting = (f"{r['mma']!s:>5} {r['pipelined']!s:>9} {r['block']:>5} {r['num_warps']:>5} "
-                   f"{r['num_stages']:>6}")
+        setting = f"{r['pipelined']!s:>9} {r['block']:>5} {r['num_warps']:>5} {r['num_stages']:>6}"
         if "error" in r:
             print(f"{setting} {r['error']}")
         else:
@@ -148,7 +141,7 @@ def apply_fastest(rows: list[dict], slots: int) -> dict:
     path = Path(kernel.__file__)
     text = path.read_text()
     for name, value in (("BLOCK_SLOTS", best["block"]), ("NUM_WARPS", best["num_warps"]),
-                        ("NUM_STAGES", best["num_stages"]), ("PIPELINED", best["pipelined"]), ("MMA", best["mma"])):
+                        ("NUM_STAGES", best["num_stages"]), ("PIPELINED", best["pipelined"])):
         text, n = re.subn(rf"^{name} = .*$", f"{name} = {value}", text, count=1, flags=re.M)
         assert n == 1, name
     path.write_text(text)

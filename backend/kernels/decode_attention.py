@@ -18,14 +18,12 @@ import os
 
 import torch
 
-# Cache slots per iteration of a program's loop, warps per program, pipeline stages, the loop's form and
-# whether the products run on the tensor cores; chosen by `python bench/decode_attention_check.py --sweep`
-# on an H200 (see docs/performance.md).
+# Cache slots per iteration of a program's loop, warps per program and pipeline stages; chosen by
+# `python bench/decode_attention_check.py --sweep` on an H200 (see docs/performance.md).
 BLOCK_SLOTS = 128
 NUM_WARPS = 4
 NUM_STAGES = 2
 PIPELINED = True
-MMA = True
 
 
 def available(device: torch.device) -> bool:
@@ -42,7 +40,7 @@ def available(device: torch.device) -> bool:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
                      v_new: torch.Tensor, valid: torch.Tensor, slot: torch.Tensor, out: torch.Tensor | None = None,
                      block: int = BLOCK_SLOTS, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-                     pipelined: bool = PIPELINED, mma: bool = MMA) -> torch.Tensor:
+                     pipelined: bool = PIPELINED) -> torch.Tensor:
     """Write each row's newest key and value into its cache slot slot[row], then softmax(q k^T / sqrt(D)) v
     for one query position per row, over that row's cache slots [0, slot[row]] that `valid` marks, each KV
     head serving its g query heads.
@@ -51,9 +49,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k_new, v_new: (b, kv_heads, D); valid: (rows >= b, slots) bool; slot: (b,) int64 on the device, or (1,)
     for one slot for all rows (read by the kernel, so a captured graph replays correctly as it advances).
     Every row must have at least one valid slot in range. Returns (b, kv_heads, g, D) in q's dtype
-    (written into `out` when given). block, num_warps, num_stages, pipelined (a for loop rather than a
-    while loop) and mma (tensor cores rather than sums in registers) tune the kernel; the defaults are the
-    fastest measured.
+    (written into `out` when given). block, num_warps, num_stages and pipelined (a for loop rather than a
+    while loop) tune the kernel; the defaults are the fastest measured.
     """
     b, n_kv, g, d = q.shape
     if d & (d - 1) or d < 16:
@@ -73,7 +70,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         valid.stride(0), slot.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        G=g, G_PAD=max(16 if mma else 1, 1 << (g - 1).bit_length()), D=d, BLOCK=block, MMA=mma,
+        G=g, G_PAD=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK=block,
         PIPELINED=pipelined and os.environ.get("TRITON_INTERPRET") != "1", num_warps=num_warps,
         num_stages=num_stages)
     return out

@@ -8,12 +8,8 @@ import triton.language as tl
 @triton.jit
 def attend_block(start, end, q, m, total, acc, row, head, d, k_ptr, v_ptr, valid_ptr, scale,
                  stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_valid_b,
-                 BLOCK: tl.constexpr, MMA: tl.constexpr):
-    """The running softmax (max m, sum total, weighted values acc) after slots [start, start + BLOCK).
-
-    MMA multiplies on the tensor cores, which take at least 16 query rows, so a group of 2 is padded 8-fold
-    and its tiles staged through shared memory; without it the products are summed in registers, which
-    leaves shared memory free for more programs at once on each multiprocessor."""
+                 BLOCK: tl.constexpr):
+    """The running softmax (max m, sum total, weighted values acc) after slots [start, start + BLOCK)."""
     s_idx = start + tl.arange(0, BLOCK)
     inside = s_idx < end
     keep = tl.load(valid_ptr + row * stride_valid_b + s_idx, mask=inside, other=0) != 0
@@ -21,11 +17,7 @@ def attend_block(start, end, q, m, total, acc, row, head, d, k_ptr, v_ptr, valid
                 mask=inside[:, None], other=0.0)
     v = tl.load(v_ptr + row * stride_vb + head * stride_vh + s_idx[:, None] * stride_vs + d[None, :],
                 mask=inside[:, None], other=0.0)
-    if MMA:
-        scores = tl.dot(q, tl.trans(k))
-    else:
-        scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-    scores = scores * scale  # (G_PAD, BLOCK), fp32
+    scores = tl.dot(q, tl.trans(k)) * scale  # (G_PAD, BLOCK), fp32
     scores = tl.where(keep[None, :], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     # A row whose slots so far are all padding has m_new = -inf: shift by 0 there, so exp gives
@@ -34,10 +26,7 @@ def attend_block(start, end, q, m, total, acc, row, head, d, k_ptr, v_ptr, valid
     p = tl.exp(scores - shift[:, None])
     alpha = tl.exp(m - shift)
     total = total * alpha + tl.sum(p, axis=1)
-    if MMA:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    else:
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, total, acc
 
 @triton.jit
@@ -48,7 +37,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr, valid_ptr
                             stride_knb, stride_knh, stride_vnb, stride_vnh,
                             stride_valid_b, stride_slot, stride_ob, stride_oh, stride_og,
                             G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                            PIPELINED: tl.constexpr, MMA: tl.constexpr):
+                            PIPELINED: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     g = tl.arange(0, G_PAD)
@@ -73,13 +62,13 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr, valid_ptr
         for start in range(0, end, BLOCK):
             m, total, acc = attend_block(start, end, q, m, total, acc, row, head, d, k_ptr, v_ptr, valid_ptr,
                                          scale, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
-                                         stride_vs, stride_valid_b, BLOCK, MMA)
+                                         stride_vs, stride_valid_b, BLOCK)
     else:
         start = tl.full((), 0, tl.int32)
         while start < end:
             m, total, acc = attend_block(start, end, q, m, total, acc, row, head, d, k_ptr, v_ptr, valid_ptr,
                                          scale, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
-                                         stride_vs, stride_valid_b, BLOCK, MMA)
+                                         stride_vs, stride_valid_b, BLOCK)
             start += BLOCK
     # The newest slot, the same running-softmax update as a block of one.
     keep = tl.load(valid_ptr + row * stride_valid_b + newest) != 0
