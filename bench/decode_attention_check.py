@@ -4,6 +4,9 @@ each, head_dim 128) and several numbers of written slots. Prints a table, writes
 
     python bench/decode_attention_check.py --out bench/results/<date>-h200-decode-attention.json
 
+--kv-dtype fp8 runs it on an FP8 cache (rollout.kv_cache_dtype=fp8): the reference then attends to the same
+FP8 values widened to fp32, and the read bandwidth counts one byte a value.
+
 --sweep also times every kernel setting (loop form, slots per block, warps, pipeline stages) at 136 and 272
 written slots, each checked against the fp32 reference, fastest first; --apply then writes the fastest (least
 time at 136 and 272 slots together, within bf16 tolerance) into backend/kernels/decode_attention.py's defaults.
@@ -59,11 +62,13 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--sweep", action="store_true", help="time every kernel setting")
     p.add_argument("--apply", action="store_true", help="with --sweep: make the fastest setting the default")
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="the cache's dtype")
     args = p.parse_args()
     torch.manual_seed(0)
     b, n_kv, g, d, slots = args.rows, 8, 2, 128, args.slots
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    k_cache, v_cache = (torch.randn(b, n_kv, slots, d, device=dev, dtype=dtype) for _ in range(2))
+    cache_dtype = kernel.FP8 if args.kv_dtype == "fp8" else dtype
+    k_cache, v_cache = (torch.randn(b, n_kv, slots, d, device=dev, dtype=dtype).to(cache_dtype) for _ in range(2))
     q = torch.randn(b, n_kv, g, d, device=dev, dtype=dtype)
     valid = torch.ones(b, slots, dtype=torch.bool, device=dev)
     valid[:, :8] = torch.rand(b, 8, device=dev) > 0.5  # left padding of the prompts
@@ -80,9 +85,10 @@ def main() -> None:
         mask = (valid[:, :bucket] & (torch.arange(bucket, device=dev) < written)).view(b, 1, 1, bucket)
         kernel_ms = timed(lambda slot=slot, k_new=k_new, v_new=v_new: decode_attention(
             q, k_cache, v_cache, k_new, v_new, valid, slot))
+        # (on an FP8 cache PyTorch's attention needs the bucket widened first, which it times too)
         torch_ms = timed(lambda bucket=bucket, mask=mask: F.scaled_dot_product_attention(
-            q, k_cache[:, :, :bucket], v_cache[:, :, :bucket], attn_mask=mask))
-        read_gb = 2 * b * n_kv * written * d * 2 / 1e9
+            q, k_cache[:, :, :bucket].to(dtype), v_cache[:, :, :bucket].to(dtype), attn_mask=mask))
+        read_gb = 2 * b * n_kv * written * d * cache_dtype.itemsize / 1e9
         rows.append({"written_slots": written, "max_abs_error_vs_fp32": (out.float() - ref).abs().max().item(),
                      "kernel_ms": kernel_ms, "torch_sdpa_bucket_ms": torch_ms,
                      "kernel_gb_per_s": read_gb / (kernel_ms / 1e3)})
@@ -91,7 +97,7 @@ def main() -> None:
         print(f"{r['written_slots']:>6} {r['max_abs_error_vs_fp32']:>9.2e} {r['kernel_ms']:>10.3f} "
               f"{r['torch_sdpa_bucket_ms']:>8.3f} {r['kernel_gb_per_s']:>12.0f}")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": b, "kv_heads": n_kv,
-              "group": g, "head_dim": d, "per_layer_call": rows,
+              "group": g, "head_dim": d, "kv_dtype": str(cache_dtype), "per_layer_call": rows,
               "defaults": {"pipelined": kernel.PIPELINED, "block": kernel.BLOCK_SLOTS, "num_warps": kernel.NUM_WARPS,
                            "num_stages": kernel.NUM_STAGES}}
     if args.sweep:
@@ -104,7 +110,8 @@ def main() -> None:
 
 def sweep(q, k_cache, v_cache, valid, slots: int) -> list[dict]:
     settings = [(False, block, warps, 1) for block in (32, 64, 128) for warps in (4, 8)]
-    settings += [(True, block, warps, stages) for block in (32, 64, 128) for warps in (4, 8) for stages in (1, 2, 3, 4)]
+    settings += [(True, block, warps, stages) for block in (32, 64, 128, 256) for warps in (4, 8)
+                 for stages in (1, 2, 3, 4)]
     out = []
     for pipelined, block, warps, stages in settings:
         row = {"pipelined": pipelined, "block": block, "num_warps": warps, "num_stages": stages}

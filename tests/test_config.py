@@ -65,6 +65,13 @@ def test_value_outside_choices_lists_allowed_values():
     assert "rloo" in msg
 
 
+def test_an_fp8_kv_cache_with_hugging_face_generate_is_refused_naming_the_engines_that_have_one():
+    [msg] = problems_of("actor_rollout_ref.rollout.kv_cache_dtype=fp8", "actor_rollout_ref.rollout.name=hf")
+    assert "actor_rollout_ref.rollout.kv_cache_dtype=fp8" in msg and "workbench" in msg and "vllm" in msg
+    assert problems_of("actor_rollout_ref.rollout.kv_cache_dtype=fp16")[0].startswith(
+        "actor_rollout_ref.rollout.kv_cache_dtype='fp16' is not allowed")
+
+
 def test_zero_and_negative_sizes_are_rejected():
     problems = problems_of("data.train_batch_size=0", "actor_rollout_ref.actor.optim.lr=-1")
     assert any("data.train_batch_size=0 must be >= 1" in p for p in problems)

@@ -49,6 +49,34 @@ def test_the_kernel_attends_to_the_valid_written_slots_only(dtype, group):
     assert out.dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_an_fp8_cache_is_read_widened_to_the_queries_dtype_and_the_new_slot_written_as_given(dtype):
+    torch.manual_seed(1)
+    b, n_kv, group, d, slots, newest = 2, 2, 2, 32, 200, 150
+    q = torch.randn(b, n_kv, group, d, dtype=dtype)
+    k_cache, v_cache, k_new, v_new = (torch.randn(*shape).to(decode_attention.FP8) for shape in (
+        (b, n_kv, slots, d), (b, n_kv, slots, d), (b, n_kv, d), (b, n_kv, d)))
+    valid = torch.ones(b, slots, dtype=torch.bool)
+    valid[1, :40] = False
+    out = decode_attention.decode_attention(q, k_cache, v_cache, k_new, v_new, valid, torch.tensor([newest]))
+    assert torch.equal(k_cache[:, :, newest].float(), k_new.float())
+    assert torch.equal(v_cache[:, :, newest].float(), v_new.float())
+    expected = F.scaled_dot_product_attention(q.float(), k_cache[:, :, :newest + 1].float(),
+                                              v_cache[:, :, :newest + 1].float(),
+                                              attn_mask=valid[:, None, None, :newest + 1])
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    assert out.dtype == dtype
+
+
+def test_caches_and_new_values_of_mixed_dtypes_are_refused():
+    q, cache = torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 4, 16).to(decode_attention.FP8)
+    for new in (torch.zeros(1, 1, 16), torch.zeros(1, 1, 16, dtype=torch.float16)):  # q's dtype, another
+        with pytest.raises(ValueError, match="the caches and the new key and value"):
+            decode_attention.decode_attention(q, cache, cache.clone(), new, new, torch.ones(1, 4, dtype=torch.bool),
+                                              torch.tensor([1]))
+
+
 def test_a_head_dim_the_kernel_cannot_tile_is_refused():
     q = torch.zeros(1, 1, 1, 24)
     with pytest.raises(ValueError, match="head_dim"):
@@ -68,6 +96,27 @@ def test_the_engine_on_the_kernel_samples_what_hugging_face_generate_does():
     expected = HFGenerateEngine(model, tokenizer, batch_size=5).generate(prompts, params, first_row=2)
     assert torch.equal(got.responses, expected.responses)
     assert got.finish_reasons == expected.finish_reasons
+
+
+def test_an_fp8_cache_samples_the_same_tokens_through_the_kernel_and_through_pytorchs_attention():
+    # Both paths store the same rounded values and read them back, so they agree token for token; the cache
+    # holds one byte a value, and a key past e4m3's range is stored clamped to it, not as NaN.
+    model = load_model("tiny-qwen3", torch.device("cpu")).eval()
+    tokenizer = load_tokenizer("tiny-qwen3")
+    prompts = [tokenizer(p)["input_ids"] for p in ("2 + 3 =", "what is 7 - 4? Think first.", "9 - 1 = ?")]
+    params = SamplingParams(n=3, max_new_tokens=24, seed=7)
+    got = {}
+    for kernel in (True, False):
+        engine = StaticCacheEngine(model, tokenizer, 9, torch.device("cpu"), torch.float32, max_len=64,
+                                   free_after_generate=False, kv_dtype=decode_attention.FP8)
+        engine.kernel_attention = kernel
+        engine.load_weights(model)
+        got[kernel] = engine.generate(prompts, params, first_row=5)
+        assert engine.cache[0][0].dtype == decode_attention.FP8 and engine.cache[0][0].element_size() == 1
+    assert torch.equal(got[True].responses, got[False].responses)
+    assert got[True].finish_reasons == got[False].finish_reasons
+    stored = engine._storable(torch.tensor([1000.0, -1e9, 0.3]))
+    assert stored.dtype == decode_attention.FP8 and stored.float().tolist() == [448.0, -448.0, 0.3125]
 
 
 class _Replies(Environment):

@@ -234,6 +234,9 @@ def test_kv_cache_scales_with_the_generation_batch_and_the_sequence_length():
     assert kv("actor_rollout_ref.rollout.generation_batch_size=16") == 2 * base
     # T from 128 + 64 to 320 + 64
     assert kv("actor_rollout_ref.rollout.generation_batch_size=8", "data.max_prompt_length=320") == 2 * base
+    # an FP8 cache holds one byte a value against bf16's two (a GPU's compute dtype)
+    assert kv("actor_rollout_ref.rollout.generation_batch_size=8", "actor_rollout_ref.rollout.kv_cache_dtype=fp8") * 2 \
+        == base
     # never more sequences at once than a rank generates: 64 rows
     assert kv("actor_rollout_ref.rollout.generation_batch_size=1000") == kv(
         "actor_rollout_ref.rollout.generation_batch_size=64")

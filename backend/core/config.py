@@ -240,6 +240,11 @@ class RolloutConfig:
                           "(fixed-length benchmarks; as vLLM's ignore_eos).")
     enforce_eager: bool = _f(False, "Run the workbench or vLLM engine without CUDA graphs or compiled kernels "
                              "(slower; for debugging).")
+    kv_cache_dtype: str = _f("auto", "The KV cache's dtype in the workbench and vLLM engines: auto (the compute "
+                             "dtype) or fp8 (e4m3 without scales, as vLLM's kv_cache_dtype=fp8: half the memory and "
+                             "the bytes a decode step reads, each key and value rounded to 3 mantissa bits, so the "
+                             "sampler's probabilities move a little away from the trainer's).",
+                             choices=("auto", "fp8"))
     free_cache_engine: bool = _f(True, "Free the rollout engine's GPU memory after each generation, so the update can "
                                  "use it: the workbench engine drops its KV cache and CUDA graphs (captured again "
                                  "next step); vLLM sleeps (sleep mode: its weights and KV cache are released and "
@@ -822,6 +827,10 @@ def validate_config(cfg: Config) -> None:
                         "(0, 1): the actor, reference and optimizer need the rest of the GPU")
     if r.name == "vllm":
         problems.extend(vllm_support.config_problems(cfg))
+    if r.kv_cache_dtype == "fp8" and r.name == "hf":
+        problems.append("actor_rollout_ref.rollout.kv_cache_dtype=fp8 runs in the workbench and vLLM engines, and "
+                        "rollout.name=hf keeps Hugging Face's cache in the compute dtype: choose rollout.name=auto, "
+                        "workbench or vllm, or kv_cache_dtype=auto")
     if cfg.algorithm.adv_estimator in ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline") and r.n < 2:
         problems.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the responses of one "
                         f"prompt, so actor_rollout_ref.rollout.n must be >= 2 (got {r.n})")

@@ -45,14 +45,19 @@ def build_rollout_engine(cfg: Config, model, tokenizer, device: torch.device, dt
         return VLLMEngine(resolve_model(cfg.actor_rollout_ref.model.path), eos_ids_of(base, tokenizer),
                           tokenizer.pad_token_id, device, dtype, max_len,
                           gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.generation_batch_size,
-                          enforce_eager=r.enforce_eager, sleep=free_between, seed=cfg.trainer.seed)
+                          enforce_eager=r.enforce_eager, sleep=free_between, seed=cfg.trainer.seed,
+                          kv_cache_dtype=r.kv_cache_dtype)
     reason = static_cache.unsupported_reason(model.config)
     if r.name == "hf" or (r.name == "auto" and reason):
+        if r.kv_cache_dtype == "fp8":
+            raise ValueError(f"actor_rollout_ref.rollout.kv_cache_dtype=fp8 needs the workbench or vLLM engine, and "
+                             f"rollout.name=auto falls back to Hugging Face generate here: {reason}")
         return HFGenerateEngine(model, tokenizer, r.generation_batch_size, device=device, autocast=False)
     if reason:
         raise ValueError(f"actor_rollout_ref.rollout.name=workbench cannot run this model: {reason}")
     return static_cache.StaticCacheEngine(base, tokenizer, r.generation_batch_size, device, dtype, max_len=max_len,
-                                          cuda_graphs=not r.enforce_eager, free_after_generate=free_between)
+                                          cuda_graphs=not r.enforce_eager, free_after_generate=free_between,
+                                          kv_dtype=static_cache.KV_DTYPES[r.kv_cache_dtype])
 
 
 def engine_name(engine) -> str:

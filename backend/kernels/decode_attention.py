@@ -10,6 +10,10 @@ attention), with a running (online) softmax over blocks of slots.
 
 Triton runs on NVIDIA GPUs; `TRITON_INTERPRET=1` runs the same kernel on the CPU (slowly), which is
 how the tests check it against PyTorch's attention.
+
+The cache may be FP8 (e4m3, unscaled, as vLLM's kv_cache_dtype=fp8 without calibrated scales): half the bytes
+to read, each value rounded to 3 mantissa bits (by the caller, which hands the new key and value in already
+rounded). The kernel widens each block to the queries' dtype in registers.
 """
 
 from __future__ import annotations
@@ -24,11 +28,15 @@ BLOCK_SLOTS = 128
 NUM_WARPS = 4
 NUM_STAGES = 2
 PIPELINED = True
+FP8 = torch.float8_e4m3fn  # the FP8 cache's format (as vLLM's kv_cache_dtype=fp8): 4 exponent bits, 3 mantissa
 
 
-def available(device: torch.device) -> bool:
-    """Whether the kernel can run for tensors on `device` (a CUDA device with Triton installed)."""
+def available(device: torch.device, cache_dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel can run for tensors on `device` (a CUDA device with Triton installed), with a cache of
+    `cache_dtype` (Triton converts FP8 from compute capability 8.9 on: Ada, Hopper and later)."""
     if device.type != "cuda":
+        return False
+    if cache_dtype == FP8 and torch.cuda.get_device_capability(device) < (8, 9):
         return False
     try:
         import triton  # noqa: F401
@@ -46,8 +54,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     head serving its g query heads.
 
     q: (b, kv_heads, g, D); k_cache, v_cache: (rows >= b, kv_heads, slots, D), written in place;
-    k_new, v_new: (b, kv_heads, D); valid: (rows >= b, slots) bool; slot: (b,) int64 on the device, or (1,)
-    for one slot for all rows (read by the kernel, so a captured graph replays correctly as it advances).
+    k_new, v_new: (b, kv_heads, D); the caches and the new key and value all in q's dtype, or all FP8;
+    valid: (rows >= b, slots) bool; slot: (b,) int64 on the device, or (1,) for one slot for all rows (read by
+    the kernel, so a captured graph replays correctly as it advances).
     Every row must have at least one valid slot in range. Returns (b, kv_heads, g, D) in q's dtype
     (written into `out` when given). block, num_warps, num_stages and pipelined (a for loop rather than a
     while loop) tune the kernel; the defaults are the fastest measured.
@@ -58,6 +67,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if any(t.stride(-1) != 1 for t in (q, k_cache, v_cache, k_new, v_new, valid)):
         raise ValueError("decode_attention needs the last dimension of q, the caches, the new key and value "
                          "and valid contiguous")
+    stored = {t.dtype for t in (k_cache, v_cache, k_new, v_new)}
+    if len(stored) != 1 or stored.pop() not in (q.dtype, FP8):
+        raise ValueError(f"decode_attention needs the caches and the new key and value all in q's dtype ({q.dtype}) "
+                         f"or all in {FP8}, got {k_cache.dtype}, {v_cache.dtype}, {k_new.dtype} and {v_new.dtype}")
     out = torch.empty_like(q) if out is None else out
     slot = slot.expand(b)  # one slot for all rows reads slot[0] everywhere (stride 0)
     # Imported on first use: Triton is only on GPU machines (and in the tests, through its interpreter).

@@ -17,7 +17,8 @@ def attend_block(start, end, q, m, total, acc, row, head, d, k_ptr, v_ptr, valid
                 mask=inside[:, None], other=0.0)
     v = tl.load(v_ptr + row * stride_vb + head * stride_vh + s_idx[:, None] * stride_vs + d[None, :],
                 mask=inside[:, None], other=0.0)
-    scores = tl.dot(q, tl.trans(k)) * scale  # (G_PAD, BLOCK), fp32
+    # An FP8 cache is widened to the queries' dtype in registers: the products run in 16 bits.
+    scores = tl.dot(q, tl.trans(k.to(q.dtype))) * scale  # (G_PAD, BLOCK), fp32
     scores = tl.where(keep[None, :], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     # A row whose slots so far are all padding has m_new = -inf: shift by 0 there, so exp gives
@@ -26,7 +27,7 @@ def attend_block(start, end, q, m, total, acc, row, head, d, k_ptr, v_ptr, valid
     p = tl.exp(scores - shift[:, None])
     alpha = tl.exp(m - shift)
     total = total * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
     return m_new, total, acc
 
 @triton.jit

@@ -5,7 +5,9 @@ Why not `model.generate`: with a left-padded batch, Hugging Face's attention exp
 and runs over the whole cache at each step, and its cache grows by reallocation (docs/performance.md
 compares the two). Here:
 
-- The KV cache is allocated once, (rows, kv_heads, slots, head_dim) per layer, and reused every step.
+- The KV cache is allocated once, (rows, kv_heads, slots, head_dim) per layer, and reused every step; in the
+  compute dtype, or FP8 (`rollout.kv_cache_dtype=fp8`: half the bytes a decode step reads, each key and value
+  rounded to 3 mantissa bits; the prompt's own attention in its prefill uses them unrounded).
 - Decode attention groups the query heads by KV head, so each key and value is read once per step.
   On a GPU it is one Triton kernel (backend.kernels.decode_attention) that writes the step's key and value into
   the cache and reads exactly the slots written so far; elsewhere PyTorch's attention reads the written
@@ -56,6 +58,7 @@ from backend.rollout.base import (
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SPAN = 32  # cache slots per attention bucket: each bucket is one captured graph
 SYNC_EVERY = 8  # decode steps between checks whether every row has finished
+KV_DTYPES = {"auto": None, "fp8": decode_attention.FP8}  # rollout.kv_cache_dtype -> the cache's (None: compute)
 
 
 def unsupported_reason(config) -> str | None:
@@ -164,9 +167,11 @@ class StaticCacheEngine:
     """
 
     def __init__(self, model, tokenizer, batch_size: int, device: torch.device, dtype: torch.dtype,
-                 max_len: int, cuda_graphs: bool = True, free_after_generate: bool = True):
+                 max_len: int, cuda_graphs: bool = True, free_after_generate: bool = True,
+                 kv_dtype: torch.dtype | None = None):
         cfg = model.config
         self.batch_size, self.device, self.dtype = batch_size, device, dtype
+        self.kv_dtype = kv_dtype or dtype
         self.n_layers = cfg.num_hidden_layers
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
@@ -179,12 +184,12 @@ class StaticCacheEngine:
         self.eos_ids = eos_ids_of(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
-        self.kernel_attention = decode_attention.available(device)
+        self.kernel_attention = decode_attention.available(device, self.kv_dtype)
         self.free_after_generate = free_after_generate
         # With graphs, the per-layer pieces of a decode step are compiled too: fusing the norms, rotary
         # embedding and gated MLP matters once kernel launches no longer hide the small kernels' cost.
         # Their shapes do not depend on the attention bucket, so each compiles once per batch size.
-        self._decode_qkv = torch.compile(self._qkv) if self.cuda_graphs else self._qkv
+        self._decode_qkv = torch.compile(self._stored_qkv) if self.cuda_graphs else self._stored_qkv
         self._decode_finish = torch.compile(self._finish_layer) if self.cuda_graphs else self._finish_layer
         # Sampling reads the (b, V) logits a few times; compiled, those reads are two fused passes that
         # write nothing of the vocabulary's size (eager: 15% of generation's device time on an H200).
@@ -272,11 +277,25 @@ class StaticCacheEngine:
             q, k = _rms(q, w.q_norm, self.eps), _rms(k, w.k_norm, self.eps)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
+    def _stored_qkv(self, w: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """A decode step's query, and its key and value as the cache holds them (compiled, the rounding to an FP8
+        cache is fused into the step's own kernels)."""
+        q, k, v = self._qkv(w, x, cos, sin)
+        return q, self._storable(k), self._storable(v)
+
     def _finish_layer(self, w: _Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, and the gated MLP block."""
         x = x + F.linear(attended, w.o, w.o_bias)
         gate, up = F.linear(_rms(x, w.ln2, self.eps), w.gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, w.down)
+
+    def _storable(self, t: torch.Tensor) -> torch.Tensor:
+        """t as the cache holds it: in an FP8 cache clamped to its range first (e4m3 has no infinity, and what a
+        cast does past the range differs between libraries; clamped, every path stores the same values)."""
+        if self.kv_dtype == decode_attention.FP8:
+            most = torch.finfo(self.kv_dtype).max
+            t = t.clamp(-most, most)
+        return t.to(self.kv_dtype)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(_rms(x, self.norm, self.eps), self.lm_head).float()
@@ -298,8 +317,8 @@ class StaticCacheEngine:
         x = F.embedding(ids, self.embed)
         for w, (kc, vc) in zip(self.layers, self.cache, strict=True):
             q, k, v = self._qkv(w, x, cos, sin)
-            kc[:b, :, :p].copy_(k.transpose(1, 2))
-            vc[:b, :, :p].copy_(v.transpose(1, 2))
+            kc[:b, :, :p].copy_(self._storable(k).transpose(1, 2))
+            vc[:b, :, :p].copy_(self._storable(v).transpose(1, 2))
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  attn_mask=allowed[:, None], enable_gqa=self.n_kv != self.n_heads)
             x = self._finish_layer(w, x, out.transpose(1, 2).flatten(-2))
@@ -328,7 +347,8 @@ class StaticCacheEngine:
             else:
                 kc[index, :, slot] = k
                 vc[index, :, slot] = v
-                out = F.scaled_dot_product_attention(q, kc[:b, :, :span], vc[:b, :, :span], attn_mask=attend)
+                out = F.scaled_dot_product_attention(q, kc[:b, :, :span].to(q.dtype), vc[:b, :, :span].to(q.dtype),
+                                                     attn_mask=attend)
             x = self._decode_finish(w, x, out.flatten(1))
         nxt = self._decode_sample(x, params, s["seed"][:b], s["rows"][:b], t)
         done = s["done"][:b]
@@ -349,8 +369,8 @@ class StaticCacheEngine:
     def _allocate(self, slots: int) -> None:
         """KV cache and step state for batch_size rows and `slots` slots; drops graphs of an older size."""
         shape = (self.batch_size, self.n_kv, slots, self.head_dim)
-        self.cache = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                       torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.layers]
+        self.cache = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                       torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in self.layers]
         bsz = self.batch_size
 
         def zeros(*size, dtype=torch.long):
@@ -498,10 +518,11 @@ class StaticCacheEngine:
         x = F.embedding(ids, self.embed)
         for w, (kc, vc) in zip(self.layers, self.cache, strict=True):
             q, k, v = self._qkv(w, x, cos, sin)
-            kc[write_rows, :, write_slots] = k[real]
-            vc[write_rows, :, write_slots] = v[real]
+            kc[write_rows, :, write_slots] = self._storable(k[real])
+            vc[write_rows, :, write_slots] = self._storable(v[real])
             q = q.view(rows_n, width, self.n_kv, g, d).permute(0, 2, 3, 1, 4).reshape(rows_n, self.n_kv, g * width, d)
-            out = F.scaled_dot_product_attention(q, kc[index, :, :span], vc[index, :, :span], attn_mask=grouped_mask)
+            out = F.scaled_dot_product_attention(q, kc[index, :, :span].to(q.dtype), vc[index, :, :span].to(q.dtype),
+                                                 attn_mask=grouped_mask)
             out = out.view(rows_n, self.n_kv, g, width, d).permute(0, 3, 1, 2, 4).reshape(rows_n, width, -1)
             x = self._finish_layer(w, x, out)
         s["slot"][index] = start_slot + lengths

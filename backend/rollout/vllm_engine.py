@@ -193,7 +193,7 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, eos_ids: list[int], pad_id: int, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, *, gpu_memory_utilization: float, max_num_seqs: int, enforce_eager: bool,
-                 sleep: bool, seed: int):
+                 sleep: bool, seed: int, kv_cache_dtype: str = "auto"):
         if device.type != "cuda" or not torch.cuda.is_available():
             raise RuntimeError(f"actor_rollout_ref.rollout.name=vllm runs on CUDA GPUs only, and this worker's "
                                f"device is {device}: set trainer.device=auto (or cuda) on a GPU machine")
@@ -210,7 +210,8 @@ class VLLMEngine:
             dtype={torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32"),
             tensor_parallel_size=1, distributed_executor_backend="external_launcher", seed=seed,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            enforce_eager=enforce_eager, enable_sleep_mode=sleep, logprobs_mode="processed_logprobs")
+            enforce_eager=enforce_eager, enable_sleep_mode=sleep, logprobs_mode="processed_logprobs",
+            kv_cache_dtype=kv_cache_dtype)
         # What is resident now; with sleep mode, nothing until the first push and generation.
         self.weights_awake = self.cache_awake = True
         self.loaded = False

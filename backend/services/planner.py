@@ -10,7 +10,8 @@ decoder layer P_layer, embeddings + final norm + head P_root), c bytes a value i
     (after the first      + cP/W reference shard, when there is a reference (0: reference offload)
     update)               + cP the rollout engine's own copy of the weights (engine auto/workbench; hf has none),
                           held only in generation when rollout.free_cache_engine (the default) frees it
-    generation            KV cache Bg*T*L*2*Hkv*D*c + sampling Bg*V*18 + cP gathered weights
+    generation            KV cache Bg*T*L*2*Hkv*D*k (k = c; 1 with rollout.kv_cache_dtype=fp8)
+                          + sampling Bg*V*18 + cP gathered weights
                           (Bg = min(generation_batch_size, rows per rank)); vllm: its share of the GPU,
                           rollout.gpu_memory_utilization x the GPU's memory (held in every phase instead
                           when rollout.free_cache_engine is off, as vLLM then never sleeps)
@@ -500,7 +501,7 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
     # ---- each phase's own ----
     rows_gen = math.ceil(rows / r.n_gpus_per_node) if apart else rows_rank  # rows a generating worker samples
     bg = min(r.generation_batch_size, rows_gen)
-    kv = bg * T * L * 2 * dims.kv_heads * dims.head_dim * c
+    kv = bg * T * L * 2 * dims.kv_heads * dims.head_dim * (1 if r.kv_cache_dtype == "fp8" else c)
     decoding = {"KV cache": kv, "sampling temporaries": bg * V * cal["sampling_bytes_per_vocab"]}
     if engine_copy and r.free_cache_engine:
         # The engine copies the gathered weights in and frees them before it allocates its cache
