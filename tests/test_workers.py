@@ -452,3 +452,14 @@ def second_generation_is_stale(worker: ActorRolloutRefWorker, tokenizer, match: 
             p.add_(torch.ones_like(p) * 1e-2)
     with pytest.raises(StaleWeightsError, match=match):
         worker.generate(prompts, params, first_row=2)
+
+
+def test_a_worker_configured_for_an_fp8_kv_cache_generates_from_one(sample_sets, tiny_tokenizer):
+    cfg = load_config(None, tiny_overrides(sample_sets, **{"actor_rollout_ref.rollout.name": "workbench",
+                                                            "actor_rollout_ref.rollout.kv_cache_dtype": "fp8",
+                                                            "actor_rollout_ref.rollout.free_cache_engine": False}))
+    worker = one_rank_worker(cfg)
+    batch = worker.generate([tiny_tokenizer("1 + 2 =")["input_ids"]], SamplingParams(n=2, max_new_tokens=4, seed=1),
+                            first_row=0)
+    assert batch["responses"].shape[0] == 2
+    assert {t.dtype for pair in worker.rollout.cache for t in pair} == {torch.float8_e4m3fn}
