@@ -5,7 +5,8 @@ each, head_dim 128) and several numbers of written slots. Prints a table, writes
     python bench/decode_attention_check.py --out bench/results/<date>-h200-decode-attention.json
 
 --kv-dtype fp8 runs it on an FP8 cache (rollout.kv_cache_dtype=fp8): the reference then attends to the same
-FP8 values widened to fp32, and the read bandwidth counts one byte a value.
+FP8 values widened to fp32 (the kernel's error), a second one to the bf16 values before they were rounded (what
+the rounding costs), and the read bandwidth counts one byte a value.
 
 --sweep also times every kernel setting (loop form, slots per block, warps, pipeline stages) at 136 and 272
 written slots, each checked against the fp32 reference, fastest first; --apply then writes the fastest (least
@@ -68,7 +69,8 @@ def main() -> None:
     b, n_kv, g, d, slots = args.rows, 8, 2, 128, args.slots
     dev, dtype = torch.device("cuda"), torch.bfloat16
     cache_dtype = kernel.FP8 if args.kv_dtype == "fp8" else dtype
-    k_cache, v_cache = (torch.randn(b, n_kv, slots, d, device=dev, dtype=dtype).to(cache_dtype) for _ in range(2))
+    unrounded = [torch.randn(b, n_kv, slots, d, device=dev, dtype=dtype) for _ in range(2)]
+    k_cache, v_cache = (t.to(cache_dtype) for t in unrounded)
     q = torch.randn(b, n_kv, g, d, device=dev, dtype=dtype)
     valid = torch.ones(b, slots, dtype=torch.bool, device=dev)
     valid[:, :8] = torch.rand(b, 8, device=dev) > 0.5  # left padding of the prompts
@@ -89,12 +91,18 @@ def main() -> None:
         torch_ms = timed(lambda bucket=bucket, mask=mask: F.scaled_dot_product_attention(
             q, k_cache[:, :, :bucket].to(dtype), v_cache[:, :, :bucket].to(dtype), attn_mask=mask))
         read_gb = 2 * b * n_kv * written * d * cache_dtype.itemsize / 1e9
+        # What the cache's rounding costs: against attention over the bf16 values before they were stored.
+        unrounded_ref = F.scaled_dot_product_attention(q.float(), unrounded[0][:, :, :written].float(),
+                                                       unrounded[1][:, :, :written].float(),
+                                                       attn_mask=valid[:, None, None, :written])
         rows.append({"written_slots": written, "max_abs_error_vs_fp32": (out.float() - ref).abs().max().item(),
+                     "max_abs_error_vs_unrounded_bf16_cache": (out.float() - unrounded_ref).abs().max().item(),
                      "kernel_ms": kernel_ms, "torch_sdpa_bucket_ms": torch_ms,
                      "kernel_gb_per_s": read_gb / (kernel_ms / 1e3)})
-    print(f"{'slots':>6} {'max err':>9} {'kernel ms':>10} {'sdpa ms':>8} {'kernel GB/s':>12}")
+    print(f"{'slots':>6} {'max err':>9} {'vs bf16':>9} {'kernel ms':>10} {'sdpa ms':>8} {'kernel GB/s':>12}")
     for r in rows:
-        print(f"{r['written_slots']:>6} {r['max_abs_error_vs_fp32']:>9.2e} {r['kernel_ms']:>10.3f} "
+        print(f"{r['written_slots']:>6} {r['max_abs_error_vs_fp32']:>9.2e} "
+              f"{r['max_abs_error_vs_unrounded_bf16_cache']:>9.2e} {r['kernel_ms']:>10.3f} "
               f"{r['torch_sdpa_bucket_ms']:>8.3f} {r['kernel_gb_per_s']:>12.0f}")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": b, "kv_heads": n_kv,
               "group": g, "head_dim": d, "kv_dtype": str(cache_dtype), "per_layer_call": rows,
