@@ -145,11 +145,13 @@ def small_disk(tmp_path):
 def test_a_full_disk_fails_the_run_clearly_and_resuming_elsewhere_matches_a_straight_run(
         tmp_path, config, straight_run, small_disk):
     run_dir = small_disk / "run"
+    # The disk may refuse a metrics line (ENOSPC) or a checkpoint's file, which PyTorch's zip writer reports only
+    # as a short write ("unexpected pos"): either way the run says the disk is full.
     with Trainer(config(**{"trainer.save_freq": 1}), run_dir, show_progress=False) as trainer, \
-            pytest.raises(Exception, match="No space left on device"):
+            pytest.raises(Exception, match="No space left on device|unexpected pos"):
         trainer.train()
     status = read_status(run_dir)
-    assert status["state"] == "failed" and "The disk holding" in status["error"]
+    assert status["state"] == "failed" and f"The disk holding {run_dir} is full" in status["error"]
     last = list_checkpoints(run_dir)[-1]
     assert f"the last whole checkpoint is {last.name}" in status["error"]
     steps = [m["step"] for m in read_metrics(run_dir)]

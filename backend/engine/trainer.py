@@ -65,6 +65,9 @@ from backend.rollout.episodes import (
 T = TypeVar("T")
 # The stale tensors a failed run's diagnosis lists (a sync that skipped a whole model would name hundreds).
 STALE_SHOWN = 50
+# How a write the disk refused reads: the errno's words, or PyTorch's zip writer's, which sees only that a file
+# it wrote (a checkpoint's) came out shorter than what it handed over.
+DISK_FULL = ("No space left on device", "unexpected pos")
 
 
 class RunStopped(BaseException):
@@ -249,11 +252,12 @@ class Trainer:
         """Stop the workers and write the failure, with what to do, into status.json."""
         self.close()
         error = f"{type(e).__name__}: {e}"
-        if "No space left on device" in error:
+        if any(words in error for words in DISK_FULL):
             last = latest_checkpoint(self.run.root)
-            error += (f"\nThe disk holding {self.run.root} is full. Free space there (or move the run directory), "
-                      f"then resume with trainer.resume_mode=auto: the last whole checkpoint is "
-                      f"{last.name if last else 'none yet'}.")
+            free = shutil.disk_usage(self.run.root).free / 2**20
+            error += (f"\nThe disk holding {self.run.root} is full ({free:.1f} MiB free now). Free space there (or "
+                      f"move the run directory), then resume with trainer.resume_mode=auto: the last whole "
+                      f"checkpoint is {last.name if last else 'none yet'}.")
         diagnosis = {}
         if isinstance(e, WorkerOutOfMemory):  # what the planner says of it is added by whoever holds a planner
             diagnosis = {"diagnosis": {"kind": "out of memory", "call": e.what, "rank": e.who, **e.memory,
