@@ -34,10 +34,11 @@ KV cache, and the larger of the sampling temporaries and its log-prob forward (l
 activations of a rollout micro-batch, no gathered weights); the actor's workers hold no engine. At
 max_staleness=1 the step takes the longer of generation (with that forward) and the rest.
 
-Step time: each decode step reads the engine's weights and, on average, half the KV cache at the GPU's
-memory bandwidth x an efficiency (HF generate adds a fixed overhead per step and layer), prefill and the
-forward passes cost 2P FLOPs a token and the update 6P (8P with checkpointing), at the peak bf16 FLOP/s x
-an MFU. backend.engine.distributed says what each phase holds and why.
+Step time: each decode step reads the engine's weights and, on average, half the KV cache (as if in the compute
+dtype for an FP8 cache too, which the kernel reads no faster today) at the GPU's memory bandwidth x an
+efficiency (HF generate adds a fixed overhead per step and layer), prefill and the forward passes cost 2P
+FLOPs a token and the update 6P (8P with checkpointing), at the peak bf16 FLOP/s x an MFU.
+backend.engine.distributed says what each phase holds and why.
 """
 
 from __future__ import annotations
@@ -501,7 +502,8 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
     # ---- each phase's own ----
     rows_gen = math.ceil(rows / r.n_gpus_per_node) if apart else rows_rank  # rows a generating worker samples
     bg = min(r.generation_batch_size, rows_gen)
-    kv = bg * T * L * 2 * dims.kv_heads * dims.head_dim * (1 if r.kv_cache_dtype == "fp8" else c)
+    kv_compute = bg * T * L * 2 * dims.kv_heads * dims.head_dim * c
+    kv = kv_compute // c if r.kv_cache_dtype == "fp8" else kv_compute
     decoding = {"KV cache": kv, "sampling temporaries": bg * V * cal["sampling_bytes_per_vocab"]}
     if engine_copy and r.free_cache_engine:
         # The engine copies the gathered weights in and frees them before it allocates its cache
@@ -573,7 +575,9 @@ def _plan(cfg: Config, dims: ModelDims, device: str, gpu: GPU | None, cal: dict[
     def decode_step_s() -> float:
         """One decode step over bg rows: on a GPU reading the weights and half the KV cache; on a CPU its products."""
         if on_gpu:
-            return step_overhead + (c * P + 0.5 * kv) / bw
+            # An FP8 cache decodes no faster than one in the compute dtype: the kernel's widening costs what
+            # the halved reads save (docs/performance.md, "The kernels").
+            return step_overhead + (c * P + 0.5 * kv_compute) / bw
         return 2 * P * bg / (machine * cal[f"{cpu}decode_efficiency"]) + cal[f"{cpu}decode_layer_overhead_s"] * L
 
     gen_s = None if engine == "vllm" else seconds(lambda: math.ceil(rows_gen / bg) * (
