@@ -68,6 +68,13 @@ CHARTS = {
 }
 
 
+def announce(run_name: str, text: str) -> None:
+    """Say what an action did, above the controls of the run it concerns, until the next action. An action changes
+    some run's state, and the page reruns on every change of state: an st.success drawn by the click's own script
+    run would be gone within seconds."""
+    st.session_state["runs_notice"] = (run_name, text)
+
+
 def expand(pattern: str | list[str], metrics: list[dict]) -> list[str]:
     if isinstance(pattern, list):
         return pattern
@@ -118,7 +125,7 @@ with st.expander("Launch the current config", expanded=True):
         try:
             run_dir = launch(cfg, name=name.strip(), runs_root=root)
             st.session_state["runs_selected"] = run_dir.name
-            st.success(f"Launched {run_dir.name}")
+            announce(run_dir.name, f"Launched {run_dir.name}")
         except (ConfigError, ValueError) as e:
             st.error(str(e))
 
@@ -133,7 +140,7 @@ with st.expander("Import a TRL or verl run"):
         try:
             run_dir = import_external_run(workspace.safe_path(src), root, import_name.strip())
             st.session_state["runs_selected"] = run_dir.name
-            st.success(f"Imported {run_dir.name}")
+            announce(run_dir.name, f"Imported {run_dir.name}")
         except (ValueError, OSError) as e:  # PathError and InteropError are ValueErrors
             st.error(str(e))
 
@@ -168,6 +175,8 @@ if st.session_state.get("runs_selected") not in names:
 selected_name = st.selectbox("Open run", names, key="runs_selected")
 selected = next(r for r in runs if r.name == selected_name)
 run_dir = Path(selected.path)
+if (notice := st.session_state.get("runs_notice")) and notice[0] == selected_name:
+    st.success(notice[1])
 
 # ---- the selected run: state, controls, log; charts below ----
 
@@ -321,7 +330,8 @@ with c2:
     if st.button("Resume", key="run_resume", disabled=active or not selected.checkpoints):
         try:
             resume(run_dir, overrides=[f"trainer.total_training_steps={int(total)}"])
-            st.success(f"Resumed {selected.name}")
+            announce(selected.name, f"Resumed {selected.name}")
+            st.rerun()
         except ConfigError as e:
             st.error("\n\n".join(e.problems))
         except ValueError as e:
@@ -353,7 +363,8 @@ with c4, st.popover("Fork", disabled=not selected.checkpoints):
         else:
             try:
                 new = fork(run_dir, run_dir / "checkpoints" / ckpt, fork_cfg, name=chosen_name.strip())
-                st.success(f"Forked into {new.name}")
+                announce(selected.name, f"Forked into {new.name}")
+                st.rerun()
             except (ConfigError, ValueError) as e:
                 st.error(str(e))
 

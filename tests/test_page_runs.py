@@ -77,6 +77,30 @@ def test_a_failed_run_shows_its_error_and_a_deleted_run_is_reported(home, sample
     assert not at.exception
 
 
+def test_what_an_action_did_stays_shown_over_the_reruns_that_follow_it(home):
+    """A launch, resume or fork changes some run's state within seconds, and every change of state reruns the
+    page: the notice must outlive those reruns, above the run it concerns only."""
+    import json
+
+    other = home / "runs" / "20260101-000000-other"
+    other.mkdir(parents=True)
+    (other / "status.json").write_text(json.dumps({"state": "succeeded", "step": 1, "total_steps": 1}))
+    dump = home / "verl_dump"
+    dump.mkdir()
+    (dump / "10.jsonl").write_text(json.dumps({"input": "user: 1+1?", "output": "2", "score": 1.0, "step": 10}) + "\n")
+    at = page(home).run()
+    at.text_input(key="import_folder").input(str(dump))
+    at.text_input(key="import_name").input("verl-dump").run()
+    at.button(key="import_button").click().run()
+    imported = at.selectbox(key="runs_selected").value
+    assert imported.endswith("verl-dump")
+    at.run()
+    assert not at.exception
+    assert [s.value for s in at.success] == [f"Imported {imported}"]
+    at.selectbox(key="runs_selected").select(other.name).run()
+    assert not at.success
+
+
 def test_a_run_that_reports_nothing_for_too_long_gets_a_stall_warning(home):
     import json
     import os
