@@ -21,8 +21,8 @@ from .conftest import REPO, tiny_overrides, wait_for
 
 
 def _hang_report(run_dir, since: float) -> dict | None:
-    """The diagnosis of a stall that began after `since`: a slow start-up or step before it may have left one of
-    its own, ranks not answering included, while two busy cores import torch."""
+    """A diagnosis written after `since` with a rank that did not answer: a start-up slower than the stall warning
+    leaves one of its own, ranks still importing torch not answering either."""
     diagnosis = (read_status(run_dir) or {}).get("diagnosis") or {}
     fresh = diagnosis.get("at", 0) > since
     return diagnosis if fresh and any("no answer" in line for line in diagnosis.get("ranks", [])) else None
