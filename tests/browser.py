@@ -240,7 +240,7 @@ def launch_from_runs_page(page, name: str) -> None:
     set_text(page, "launch_name", name)
     page.locator(f"{key('launch_button')} button").click()
     settle(page)
-    # a loaded machine (the load test launches eight runs) can take well over expect's 5 s to redraw
+    # twice expect's usual wait: the load test launches eight runs, and each redraw waits its turn for the CPU
     expect(page.get_by_text(re.compile(f"Launched .*{name}$")).first).to_be_visible(timeout=60_000)
 
 
