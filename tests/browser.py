@@ -107,8 +107,13 @@ def app_url(workspace):
 
 @pytest.fixture(scope="module")
 def browser():
+    from playwright.sync_api import expect as playwright_expect
     from playwright.sync_api import sync_playwright
 
+    # expect() waits up to 30 s rather than Playwright's 5 s: the suite runs two files at once on two cores, and a
+    # page's first script run on a fresh server, or a redraw while a run trains beside it, can take longer than 5 s
+    # there. A wait that holds returns at once, so only a failure waits the whole time.
+    playwright_expect.set_options(timeout=30_000)
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield b
@@ -133,12 +138,8 @@ def page(browser, app_url):
 
 
 def expect(locator):
-    """Playwright's expect, waiting up to 30 s rather than its 5 s: the suite runs two files at once on two cores,
-    and a page's first script run on a fresh server, or a redraw while a run trains beside it, can take longer
-    than 5 s there. A wait that passes returns as soon as it holds, so only a failure waits the whole time."""
     from playwright.sync_api import expect as playwright_expect
 
-    playwright_expect.set_options(timeout=30_000)
     return playwright_expect(locator)
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -80,8 +83,6 @@ def test_a_failed_run_shows_its_error_and_a_deleted_run_is_reported(home, sample
 def test_what_an_action_did_stays_shown_over_the_reruns_that_follow_it(home):
     """A launch, resume or fork changes some run's state within seconds, and every change of state reruns the
     page: the notice must outlive those reruns, above the run it concerns only."""
-    import json
-
     other = home / "runs" / "20260101-000000-other"
     other.mkdir(parents=True)
     (other / "status.json").write_text(json.dumps({"state": "succeeded", "step": 1, "total_steps": 1}))
@@ -102,10 +103,6 @@ def test_what_an_action_did_stays_shown_over_the_reruns_that_follow_it(home):
 
 
 def test_a_run_that_reports_nothing_for_too_long_gets_a_stall_warning(home):
-    import json
-    import os
-    import time
-
     run_dir = home / "runs" / "20260101-000000-stuck"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "config.yaml").write_text("trainer:\n  stall_warning_s: 30\n")
@@ -120,10 +117,6 @@ def test_a_run_that_reports_nothing_for_too_long_gets_a_stall_warning(home):
 
 
 def test_a_run_waiting_for_a_debugger_says_where_to_attach_and_lists_its_workers(home):
-    import json
-    import os
-    import time
-
     run_dir = home / "runs" / "20260101-000000-debug"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "config.yaml").write_text("trainer:\n  n_gpus_per_node: 2\n")
@@ -140,9 +133,6 @@ def test_a_run_waiting_for_a_debugger_says_where_to_attach_and_lists_its_workers
 
 def write_finished_run(home: Path, name: str, lines: list[dict]) -> Path:
     """A succeeded two-step run directory holding these metrics lines."""
-    import json
-    import time
-
     run_dir = home / "runs" / name
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "config.yaml").write_text("trainer:\n  total_training_steps: 2\n")
@@ -182,8 +172,6 @@ def test_a_multi_turn_run_charts_its_tool_use_and_reports_failed_calls_with_the_
 
 
 def test_an_async_run_charts_its_staleness_and_importance_weights_and_lists_its_rollout_workers(home):
-    import json
-
     lines = [{"step": s, "critic/score/mean": 0.5, "rollout/staleness": min(s - 1, 1), "rollout/is_weight_mean": 1.0,
               "rollout/is_weight_max": 1.0 + s / 10, "rollout/is_clipfrac": 0.0, "rollout/log_prob_diff_mean": s / 100}
              for s in (1, 2)]
@@ -201,10 +189,6 @@ def test_an_async_run_charts_its_staleness_and_importance_weights_and_lists_its_
 
 
 def test_dump_the_next_step_asks_a_running_run_and_its_dumps_are_listed_with_the_replay_command(home):
-    import json
-    import os
-    import time
-
     run_dir = home / "runs" / "20260101-000000-live"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "dumps" / "step_2").mkdir(parents=True)
@@ -225,10 +209,6 @@ def test_dump_the_next_step_asks_a_running_run_and_its_dumps_are_listed_with_the
 
 
 def test_a_stalled_call_shows_a_diagnosis_panel_with_each_rank_and_the_stacks(home):
-    import json
-    import os
-    import time
-
     run_dir = home / "runs" / "20260101-000000-stalled"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "diagnosis").mkdir()
@@ -256,9 +236,6 @@ def test_a_stalled_call_shows_a_diagnosis_panel_with_each_rank_and_the_stacks(ho
 
 
 def test_a_run_that_ran_out_of_memory_shows_the_rank_phase_what_it_held_and_what_would_fit(home):
-    import json
-    import time
-
     run_dir = home / "runs" / "20260101-000000-oom"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "config.yaml").write_text("trainer: {}\n")
