@@ -8,9 +8,10 @@ each, head_dim 128) and several numbers of written slots. Prints a table, writes
 FP8 values widened to fp32 (the kernel's error), a second one to the bf16 values before they were rounded (what
 the rounding costs), and the read bandwidth counts one byte a value.
 
---sweep also times every kernel setting (loop form, slots per block, warps, pipeline stages) at 136 and 272
-written slots, each checked against the fp32 reference, fastest first; --apply then writes the fastest (least
-time at 136 and 272 slots together, within bf16 tolerance) into backend/kernels/decode_attention.py's defaults.
+--sweep also times every kernel setting (loop form, slots per block, warps, pipeline stages) at every 32nd
+number of written slots from 16 to --slots, each checked against the fp32 reference, and ranks them by their
+mean over those lengths: a generation calls the kernel at every length in turn, so that mean is its average
+call. --apply then writes the fastest (within bf16 tolerance) into backend/kernels/decode_attention.py's defaults.
 """
 
 from __future__ import annotations
@@ -111,48 +112,68 @@ def main() -> None:
     if args.sweep:
         result["sweep"] = sweep(q, k_cache, v_cache, valid, slots)
         if args.apply:
-            result["applied"] = apply_fastest(result["sweep"], slots)
+            result["applied"] = apply_fastest(result["sweep"])
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
 
+def sweep_lengths(slots: int) -> list[int]:
+    """The numbers of written slots the sweep times: every 32nd from 16 up to `slots`, and `slots` itself."""
+    return sorted({*range(16, slots + 1, 32), slots})
+
+
 def sweep(q, k_cache, v_cache, valid, slots: int) -> list[dict]:
     settings = [(False, block, warps, 1) for block in (32, 64, 128) for warps in (4, 8)]
-    settings += [(True, block, warps, stages) for block in (32, 64, 128, 256) for warps in (4, 8)
+    settings += [(True, block, warps, stages) for block in (16, 32, 64, 128) for warps in (2, 4, 8)
                  for stages in (1, 2, 3, 4)]
+    lengths = sweep_lengths(slots)
+    refs = {written: F.scaled_dot_product_attention(q.float(), k_cache[:, :, :written].float(),
+                                                    v_cache[:, :, :written].float(),
+                                                    attn_mask=valid[:, None, None, :written])
+            for written in lengths}
     out = []
     for pipelined, block, warps, stages in settings:
-        row = {"pipelined": pipelined, "block": block, "num_warps": warps, "num_stages": stages}
+        row = {"pipelined": pipelined, "block": block, "num_warps": warps, "num_stages": stages, "ms": {}}
         try:
-            for written in (136, slots):
+            err = 0.0
+            for written in lengths:
                 slot = torch.tensor([written - 1], device=q.device)
                 call = functools.partial(decode_attention, q, k_cache, v_cache, k_cache[:, :, written - 1],
                                          v_cache[:, :, written - 1], valid, slot, block=block,
                                          num_warps=warps, num_stages=stages, pipelined=pipelined)
-                ref = F.scaled_dot_product_attention(q.float(), k_cache[:, :, :written].float(),
-                                                     v_cache[:, :, :written].float(),
-                                                     attn_mask=valid[:, None, None, :written])
-                row[f"max_err_{written}"] = (call().float() - ref).abs().max().item()
-                row[f"ms_{written}"] = timed(call)
+                err = max(err, (call().float() - refs[written]).abs().max().item())
+                row["ms"][written] = timed(call)
+            row["max_err"] = err
+            row["mean_ms"] = sum(row["ms"].values()) / len(lengths)
         except Exception as e:  # a setting Triton cannot compile (too much shared memory) is reported, not fatal
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         out.append(row)
-    out.sort(key=lambda r: r.get(f"ms_{slots}", float("inf")))
-    print(f"\n{'pipelined':>9} {'block':>5} {'warps':>5} {'stages':>6} {'ms@136':>8} {'ms@' + str(slots):>8} "
-          f"{'max err':>9}")
+        print(f"setting {len(out)}/{len(settings)}: {pipelined} {block} {warps} {stages}: "
+              + (row["error"] if "error" in row else " ".join(f"{row['ms'][n]:.3f}" for n in lengths)), flush=True)
+    out.sort(key=lambda r: r.get("mean_ms", float("inf")))
+    shown = (lengths[0], lengths[len(lengths) // 2], lengths[-1])
+    print(f"\n{'pipelined':>9} {'block':>5} {'warps':>5} {'stages':>6} "
+          + " ".join(f"{'ms@' + str(n):>8}" for n in shown) + f" {'mean ms':>8} {'max err':>9}")
     for r in out:
         setting = f"{r['pipelined']!s:>9} {r['block']:>5} {r['num_warps']:>5} {r['num_stages']:>6}"
         if "error" in r:
             print(f"{setting} {r['error']}")
         else:
-            print(f"{setting} {r['ms_136']:>8.3f} {r[f'ms_{slots}']:>8.3f} "
-                  f"{max(r['max_err_136'], r[f'max_err_{slots}']):>9.2e}")
+            print(f"{setting} " + " ".join(f"{r['ms'][n]:>8.3f}" for n in shown)
+                  + f" {r['mean_ms']:>8.3f} {r['max_err']:>9.2e}")
+    # Whether one setting serves every length: the best at each length on its own, against the best overall.
+    ok = [r for r in out if "error" not in r]
+    best_each = {n: min(ok, key=lambda r, n=n: r["ms"][n]) for n in lengths}
+    print(f"\n{'slots':>6} {'best ms':>8} {'its setting':>28} {'the fastest overall, ms':>24}")
+    for n, r in best_each.items():
+        setting = f"{r['pipelined']!s} {r['block']} {r['num_warps']} {r['num_stages']}"
+        print(f"{n:>6} {r['ms'][n]:>8.3f} {setting:>28} {ok[0]['ms'][n]:>24.3f}")
     return out
 
 
-def apply_fastest(rows: list[dict], slots: int) -> dict:
-    ok = [r for r in rows if "error" not in r and max(r["max_err_136"], r[f"max_err_{slots}"]) < 2e-2]
-    best = min(ok, key=lambda r: r["ms_136"] + r[f"ms_{slots}"])
+def apply_fastest(rows: list[dict]) -> dict:
+    ok = [r for r in rows if "error" not in r and r["max_err"] < 2e-2]
+    best = min(ok, key=lambda r: r["mean_ms"])
     path = Path(kernel.__file__)
     text = path.read_text()
     for name, value in (("BLOCK_SLOTS", best["block"]), ("NUM_WARPS", best["num_warps"]),
