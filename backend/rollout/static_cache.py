@@ -190,7 +190,7 @@ class StaticCacheEngine:
         # embedding and gated MLP matters once kernel launches no longer hide the small kernels' cost.
         # Their shapes do not depend on the attention bucket, so each compiles once per batch size.
         self._decode_qkv = torch.compile(self._stored_qkv) if self.cuda_graphs else self._stored_qkv
-        self._decode_finish = torch.compile(self._finish_layer) if self.cuda_graphs else self._finish_layer
+        self._decode_finish = torch.compile(self._finish_apart) if self.cuda_graphs else self._finish_apart
         # Sampling reads the (b, V) logits a few times; compiled, those reads are two fused passes that
         # write nothing of the vocabulary's size (eager: 15% of generation's device time on an H200).
         self._decode_sample = torch.compile(self._sample) if self.cuda_graphs else self._sample
@@ -270,24 +270,39 @@ class StaticCacheEngine:
         """Projected, normalised and rotated q (..., heads, D), k and v (..., kv_heads, D)."""
         h = _rms(x, w.ln1, self.eps)
         qkv = F.linear(h, w.qkv, w.qkv_bias)
-        d = self.head_dim
-        q, k, v = qkv.split([self.n_heads * d, self.n_kv * d, self.n_kv * d], dim=-1)
-        q, k, v = q.unflatten(-1, (self.n_heads, d)), k.unflatten(-1, (self.n_kv, d)), v.unflatten(-1, (self.n_kv, d))
+        d, heads = self.head_dim, self.n_heads + self.n_kv
+        qk, v = qkv.split([heads * d, self.n_kv * d], dim=-1)
+        qk, v = qk.unflatten(-1, (heads, d)), v.unflatten(-1, (self.n_kv, d))
+        # Queries and keys are normalised and rotated as one tensor: compiled, one kernel a layer instead of two.
         if w.q_norm is not None:
-            q, k = _rms(q, w.q_norm, self.eps), _rms(k, w.k_norm, self.eps)
-        return _rope(q, cos, sin), _rope(k, cos, sin), v
+            norm = torch.cat((w.q_norm.expand(self.n_heads, d), w.k_norm.expand(self.n_kv, d)))
+            qk = _rms(qk, norm, self.eps)
+        q, k = _rope(qk, cos, sin).split([self.n_heads, self.n_kv], dim=-2)
+        return q, k, v
 
-    def _stored_qkv(self, w: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """A decode step's query, and its key and value as the cache holds them (compiled, the rounding to an FP8
-        cache is fused into the step's own kernels)."""
+    def _stored_qkv(self, w: _Layer, x: torch.Tensor, mlp: torch.Tensor | None, cos: torch.Tensor,
+                    sin: torch.Tensor):
+        """A decode step's residual stream x + mlp (mlp: the previous layer's MLP output, see `_finish_apart`;
+        None in the first layer), its query, and its key and value as the cache holds them. Compiled, the add
+        is fused into the norm's kernel and the rounding to an FP8 cache into the step's own kernels."""
+        if mlp is not None:
+            x = x + mlp
         q, k, v = self._qkv(w, x, cos, sin)
-        return q, self._storable(k), self._storable(v)
+        return x, q, self._storable(k), self._storable(v)
 
     def _finish_layer(self, w: _Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, and the gated MLP block."""
-        x = x + F.linear(attended, w.o, w.o_bias)
+        x, mlp = self._finish_apart(w, x, attended)
+        return x + mlp
+
+    def _finish_apart(self, w: _Layer, x: torch.Tensor, attended: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_finish_layer` without its last residual add: the residual stream after attention, and the MLP's
+        output. A decode step adds the two in the next layer's norm kernel. The first add is written in fp32 and
+        rounded, which is how PyTorch adds two bf16 tensors anyway: as `x + F.linear(...)` returned from a
+        compiled graph, inductor makes it an addmm, which first copies x into its output (a kernel more a layer)."""
+        x = (x.float() + F.linear(attended, w.o, w.o_bias).float()).to(x.dtype)
         gate, up = F.linear(_rms(x, w.ln2, self.eps), w.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, w.down)
+        return x, F.linear(F.silu(gate) * up, w.down)
 
     def _storable(self, t: torch.Tensor) -> torch.Tensor:
         """t as the cache holds it: in an FP8 cache clamped to its range first (e4m3 has no infinity, and what a
@@ -300,10 +315,10 @@ class StaticCacheEngine:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(_rms(x, self.norm, self.eps), self.lm_head).float()
 
-    def _sample(self, x: torch.Tensor, params: SamplingParams, seed: torch.Tensor, rows: torch.Tensor,
-                t: torch.Tensor) -> torch.Tensor:
-        """The next token of each row from the last layer's output x (b, hidden)."""
-        return sample_tokens(self._logits(x), params, seed, rows, t)
+    def _sample(self, x: torch.Tensor, mlp: torch.Tensor, params: SamplingParams, seed: torch.Tensor,
+                rows: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The next token of each row from the last layer's output x + mlp (b, hidden; see `_finish_apart`)."""
+        return sample_tokens(self._logits(x + mlp), params, seed, rows, t)
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Run the left-padded prompts (b, P), fill cache slots [0, P); logits of the last position (b, V)."""
@@ -337,9 +352,9 @@ class StaticCacheEngine:
             slots = torch.arange(span, device=tok.device)
             attend = (s["valid"][:b, :span] & (slots <= slot.unsqueeze(1))).view(b, 1, 1, span)
         g = self.n_heads // self.n_kv
-        x = F.embedding(tok, self.embed)
+        x, mlp = F.embedding(tok, self.embed), None
         for w, (kc, vc) in zip(self.layers, self.cache, strict=True):
-            q, k, v = self._decode_qkv(w, x, cos, sin)
+            x, q, k, v = self._decode_qkv(w, x, mlp, cos, sin)
             # (b, kv, g, D) against (b, kv, slots, D): each KV head is read once for its g query heads.
             q = q.reshape(b, self.n_kv, g, self.head_dim)
             if self.kernel_attention:  # the kernel writes k and v into the cache itself
@@ -349,8 +364,8 @@ class StaticCacheEngine:
                 vc[index, :, slot] = v
                 out = F.scaled_dot_product_attention(q, kc[:b, :, :span].to(q.dtype), vc[:b, :, :span].to(q.dtype),
                                                      attn_mask=attend)
-            x = self._decode_finish(w, x, out.flatten(1))
-        nxt = self._decode_sample(x, params, s["seed"][:b], s["rows"][:b], t)
+            x, mlp = self._decode_finish(w, x, out.flatten(1))
+        nxt = self._decode_sample(x, mlp, params, s["seed"][:b], s["rows"][:b], t)
         done = s["done"][:b]
         live = ~done
         s["out"][index, t] = torch.where(live, nxt, self.pad_id)
