@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 from transformers import GPT2Config
 
 from backend.core.config import load_config
@@ -107,3 +108,23 @@ def test_after_a_sync_that_left_a_layer_behind_the_engine_names_that_layers_tens
         "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
         "self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.o_proj.weight",
         "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
+
+
+def test_the_compiled_decode_step_samples_what_the_eager_one_does_and_makes_no_addmm_in_bf16(monkeypatch):
+    # On a GPU the pieces of each decode layer are compiled (StaticCacheEngine.__init__); here the same pieces
+    # are compiled for the CPU. Inductor makes `x + matmul` an addmm where it may (on the CPU wherever the shapes
+    # allow), and an addmm first copies x into its output: on a GPU, in bf16, two copies a layer a step.
+    model, tokenizer, eager, _ = _engines("tiny-qwen3", batch_size=4)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    params = SamplingParams(n=2, max_new_tokens=6, seed=4)
+    for dtype in (torch.float32, torch.bfloat16):
+        compiled = StaticCacheEngine(model, tokenizer, 4, torch.device("cpu"), dtype, max_len=32)
+        monkeypatch.setattr(compiled, "_decode_qkv", torch.compile(compiled._stored_qkv))
+        monkeypatch.setattr(compiled, "_decode_finish", torch.compile(compiled._finish_apart))
+        monkeypatch.setattr(compiled, "_decode_sample", torch.compile(compiled._sample))
+        compiled.load_weights(model)
+        got, code = run_and_get_code(compiled.generate, prompts, params)
+        if dtype == torch.float32:  # bf16's rounding differs between eager and fused kernels
+            assert torch.equal(got.responses, eager.generate(prompts, params).responses)
+        else:
+            assert len(code) >= 3 and not any("addmm" in c for c in code)
